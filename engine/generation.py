@@ -1,0 +1,89 @@
+"""The generation loop: one cache, one prefill, then one decode step per token."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.decode import decode_step, prefill
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingConfig, sample
+from models.errors import UserError
+from models.transformer import Transformer
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # per row, the generated ids, EOS excluded
+    prompt_tokens: int  # summed over rows
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    kv_cache_bytes: int
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: int) -> None:
+    limit = model.config.max_position_embeddings
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt must have at least one token")
+    if max_new_tokens < 1:
+        raise UserError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise UserError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's maximum of {limit} positions; "
+            "shorten the prompt or lower --max-new-tokens"
+        )
+
+
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: frozenset[int],
+    sampling: SamplingConfig = SamplingConfig(),
+    compile: bool = False,
+    on_tokens: Callable[[list[int | None]], None] | None = None,
+) -> GenerationResult:
+    """Generate for a batch of prompts (any lengths). on_tokens receives, after every step, each
+    row's new token, or None for a row that has finished."""
+    check_lengths(model, prompts, max_new_tokens)
+    device = model.embed.weight.device
+    B = len(prompts)
+    cache = KVCache.allocate(model.config, B, max(len(p) for p in prompts) + max_new_tokens, model.embed.weight.dtype, device)
+    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
+    step = torch.compile(decode_step, fullgraph=True) if compile else decode_step
+
+    start = time.perf_counter()
+    logits = prefill(model, cache, prompts)
+    tokens = sample(logits, sampling)
+    finished = torch.isin(tokens, eos)
+    new_tokens = tokens.tolist()  # the host sync that ends prefill
+    prefill_s = time.perf_counter() - start
+
+    generated: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    steps = 0
+    start = time.perf_counter()
+    while True:
+        emitted: list[int | None] = []
+        for row, token in enumerate(new_tokens):
+            done[row] = done[row] or token in eos_ids
+            if done[row]:
+                emitted.append(None)
+            else:
+                generated[row].append(token)
+                emitted.append(token)
+        if on_tokens is not None:
+            on_tokens(emitted)
+        if all(done) or steps + 1 == max_new_tokens:
+            break
+        step(model, cache, tokens, finished, eos, sampling)
+        steps += 1
+        new_tokens = tokens.tolist()
+    return GenerationResult(generated, sum(map(len, prompts)), prefill_s, time.perf_counter() - start, steps, cache.nbytes)

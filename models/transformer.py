@@ -1,0 +1,167 @@
+"""The decoder-only transformer of Llama, Mistral, Qwen2 and Qwen3, in one file.
+
+The model owns no cache. Every forward pass is told where its keys and values live (the
+engine's static cache buffers), which cache slot each new token is written to, and which slots
+each query may read (a boolean mask). Prefill and decode are the same code path.
+
+Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype: the rounding transformers uses.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[D/2] float32 angular speeds, with Llama-3 scaling when the config asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelength = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, [max_positions, D] float32, in the rotate-half layout."""
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    freqs = positions[:, None] * rope_inverse_frequencies(config)[None, :]  # [P, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by cos/sin [B, T, D]; pairs are (i, i + D/2), as in HF checkpoints."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, C]
+        cos: torch.Tensor,  # [B, T, D]
+        sin: torch.Tensor,  # [B, T, D]
+        k_cache: torch.Tensor,  # [B, H_kv, S, D], written in place
+        v_cache: torch.Tensor,  # [B, H_kv, S, D], written in place
+        write_slots: torch.Tensor,  # [B, T] cache slot of each new token
+        mask: torch.Tensor,  # [B, 1, T, S] True where a query may read a slot
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
+        q = q.view(B, T, H, D)
+        k = k.view(B, T, H_kv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+        v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
+
+        # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
+        slots = write_slots[:, None, :, None].expand(B, H_kv, T, D)
+        k_cache.scatter_(2, slots, k)
+        v_cache.scatter_(2, slots, v)
+
+        # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
+        G = H // H_kv
+        q = q.reshape(B, H_kv, G * T, D)
+        if T > 1:
+            mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+        return self.wo(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, write_slots, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_slots, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] absolute positions, for RoPE
+        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]
+        v_cache: torch.Tensor,  # [L, B, H_kv, S, D]
+        write_slots: torch.Tensor,  # [B, T]
+        mask: torch.Tensor,  # [B, 1, T, S]
+        logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
+    ) -> torch.Tensor:
+        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D]
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, mask)
+        if logit_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
+        return self.lm_head(self.norm(x))

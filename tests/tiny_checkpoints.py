@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face checkpoints, written by transformers itself, for the fast tests."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    # Larger than the usual 0.02 so that random logits are peaked and greedy argmax is not a near-tie.
+    initializer_range=0.25,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (config class, overrides of COMMON)
+KINDS = {
+    "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
+    "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
+    "llama_bias": (transformers.LlamaConfig, dict(attention_bias=True, mlp_bias=True)),
+    "llama3_rope": (
+        transformers.LlamaConfig,
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+        ),
+    ),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def hf_model(kind: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_class, overrides = KINDS[kind]
+    config = config_class(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers initialises biases to 0 and norm weights to 1; randomise them so they are tested.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def write_checkpoint(kind: str, folder: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Save a tiny random model of `kind` to folder and return the transformers model."""
+    model = hf_model(kind, seed)
+    model.save_pretrained(folder)
+    return model

@@ -1,0 +1,133 @@
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into models.Transformer.
+
+Strict by design: every tensor the architecture needs must be present with the right shape,
+and every tensor in the files must be used. The q/k/v and gate/up projections are fused here,
+once, so that a decode step runs one matmul where transformers runs three.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.errors import UserError
+from models.transformer import Transformer
+
+# Buffers some exporters save alongside the weights; the engine computes them itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(checkpoint: Path) -> ModelConfig:
+    if not checkpoint.is_dir():
+        raise UserError(f"checkpoint folder {checkpoint} does not exist")
+    path = checkpoint / "config.json"
+    if not path.is_file():
+        raise UserError(f"{checkpoint} has no config.json; point --checkpoint at a Hugging Face model folder")
+    return ModelConfig.from_file(path)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a Hugging Face checkpoint of this architecture holds, with its shape."""
+    C, D, I = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, C), "model.norm.weight": (C,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, C)
+    projections = {
+        "self_attn.q_proj": (config.n_heads * D, C, config.qkv_bias),
+        "self_attn.k_proj": (config.n_kv_heads * D, C, config.qkv_bias),
+        "self_attn.v_proj": (config.n_kv_heads * D, C, config.qkv_bias),
+        "self_attn.o_proj": (C, config.n_heads * D, config.o_bias),
+        "mlp.gate_proj": (I, C, config.mlp_bias),
+        "mlp.up_proj": (I, C, config.mlp_bias),
+        "mlp.down_proj": (C, I, config.mlp_bias),
+    }
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        for name, (out_dim, in_dim, bias) in projections.items():
+            shapes[p + name + ".weight"] = (out_dim, in_dim)
+            if bias:
+                shapes[p + name + ".bias"] = (out_dim,)
+        shapes[p + "input_layernorm.weight"] = (C,)
+        shapes[p + "post_attention_layernorm.weight"] = (C,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (D,)
+            shapes[p + "self_attn.k_norm.weight"] = (D,)
+    return shapes
+
+
+def safetensors_files(checkpoint: Path) -> list[Path]:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (checkpoint / s).is_file()]
+        if missing:
+            raise UserError(f"{index} lists shards that are not in the folder: {', '.join(missing)}")
+        return [checkpoint / s for s in shards]
+    single = checkpoint / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise UserError(
+        f"{checkpoint} has no model.safetensors or model.safetensors.index.json; "
+        "the engine reads safetensors weights only (a GGUF file can be imported with python -m weights.gguf)"
+    )
+
+
+def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint by HF name, cast and moved, after checking names and shapes."""
+    expected = expected_shapes(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(checkpoint):
+        with safe_open(path, framework="pt", device="cpu") as f:  # memory-mapped
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    raise UserError(f"unexpected tensor {name} in {path.name}: it is not part of a {config.model_type} model with this config.json")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise UserError(f"tensor {name} in {path.name} has shape {list(shape)}, config.json implies {list(expected[name])}")
+                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(f"tensor {missing[0]}{more} missing from {checkpoint}; shape expected {list(expected[missing[0]])}")
+    return tensors
+
+
+def fuse(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to the engine's modules, concatenating q|k|v and gate|up."""
+    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
+    for i in range(config.n_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        state[dst + "attn.wqkv.weight"] = torch.cat([hf[attn + p + "_proj.weight"] for p in "qkv"])
+        if config.qkv_bias:
+            state[dst + "attn.wqkv.bias"] = torch.cat([hf[attn + p + "_proj.bias"] for p in "qkv"])
+        state[dst + "attn.wo.weight"] = hf[attn + "o_proj.weight"]
+        if config.o_bias:
+            state[dst + "attn.wo.bias"] = hf[attn + "o_proj.bias"]
+        if config.qk_norm:
+            state[dst + "attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
+            state[dst + "attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
+        state[dst + "mlp.w_gate_up.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
+        state[dst + "mlp.w_down.weight"] = hf[mlp + "down_proj.weight"]
+        if config.mlp_bias:
+            state[dst + "mlp.w_gate_up.bias"] = torch.cat([hf[mlp + "gate_proj.bias"], hf[mlp + "up_proj.bias"]])
+            state[dst + "mlp.w_down.bias"] = hf[mlp + "down_proj.bias"]
+        state[dst + "attn_norm.weight"] = hf[src + "input_layernorm.weight"]
+        state[dst + "mlp_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+    return state
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
+    config = read_config(checkpoint)
+    hf = read_checked_tensors(checkpoint, config, dtype, device)
+    with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
+        model = Transformer(config)
+    model.load_state_dict(fuse(hf, config), assign=True, strict=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).requires_grad_(False).eval()
