@@ -28,6 +28,12 @@ def read_config(checkpoint: Path) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
+def stored_dtype(checkpoint: Path) -> str | None:
+    """The dtype config.json says the weights were saved in ("bfloat16", ...), if it says."""
+    raw = json.loads((checkpoint / "config.json").read_text())
+    return raw.get("dtype") or raw.get("torch_dtype")
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name a Hugging Face checkpoint of this architecture holds, with its shape."""
     C, D, I = config.hidden_size, config.head_dim, config.intermediate_size

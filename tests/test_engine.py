@@ -1,0 +1,73 @@
+"""The decode loop: ragged batches, per-row EOS, the compiled step, the static cache."""
+
+import pytest
+import torch
+
+from engine.generation import generate
+from engine.sampling import SamplingConfig
+from models.errors import UserError
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_ragged_batch_equals_separate_runs(kind, tiny_checkpoint):
+    model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU)
+    prompts = prompts_of([5, 23, 12])
+    batch = generate(model, prompts, 24, eos_ids=frozenset()).tokens
+    alone = [generate(model, [p], 24, eos_ids=frozenset()).tokens[0] for p in prompts]
+    assert batch == alone
+
+
+def test_a_row_that_hits_eos_stops_while_the_others_continue(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([8, 15], seed=1)
+    free = generate(model, prompts, 20, eos_ids=frozenset()).tokens
+    # Declare as EOS a token that row 0 produces at step k (first time) and row 1 never does.
+    k, eos = next((i, t) for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+    seen: list[list[int | None]] = []
+    result = generate(model, prompts, 20, eos_ids=frozenset({eos}), on_tokens=seen.append)
+    assert result.tokens[0] == free[0][:k]
+    assert result.tokens[1] == free[1]
+    assert [step[0] for step in seen[k:]] == [None] * (len(seen) - k)
+
+
+def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
+    prompts = prompts_of([7, 19, 3], seed=2)
+    eager = generate(model, prompts, 16, eos_ids=frozenset()).tokens
+    compiled = generate(model, prompts, 16, eos_ids=frozenset(), compile=True).tokens
+    assert compiled == eager
+
+
+def test_seeded_sampling_reproduces_and_differs_across_seeds(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([10, 4], seed=3)
+    sampling = SamplingConfig(temperature=1.5, top_k=40, top_p=0.95)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return generate(model, prompts, 24, eos_ids=frozenset(), sampling=sampling).tokens
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_cache_is_allocated_once_for_prompt_plus_new_tokens(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    result = generate(model, prompts_of([9, 30]), 12, eos_ids=frozenset())
+    c = model.config
+    assert result.kv_cache_bytes == 2 * c.n_layers * 2 * c.n_kv_heads * (30 + 12) * c.head_dim * 4
+    assert result.decode_steps == 11 and [len(t) for t in result.tokens] == [12, 12]
+
+
+def test_prompt_plus_new_tokens_beyond_the_model_maximum_is_refused(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    with pytest.raises(UserError, match="exceeds the model's maximum of 512 positions"):
+        generate(model, prompts_of([500]), 13, eos_ids=frozenset())

@@ -1,0 +1,70 @@
+"""The engine computes what transformers computes, on tiny random checkpoints of every architecture."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import ALL_KINDS
+from engine.decode import decode_step, prefill
+from engine.generation import generate
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingConfig
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 384, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_full_sequence_logits_equal_transformers(kind, tiny_checkpoint):
+    folder, hf = tiny_checkpoint(kind)
+    model = load_model(folder, torch.float32, CPU)
+    prompt = random_prompt(120, seed=1)  # past llama3_rope's original context of 64
+    expected = hf(torch.tensor([prompt])).logits[0]
+    cache = KVCache.allocate(model.config, 1, len(prompt), torch.float32, CPU)
+    got = prefill(model, cache, [prompt], all_logits=True)[0]
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_greedy_generation_equals_transformers_generate(kind, tiny_checkpoint):
+    folder, hf = tiny_checkpoint(kind)
+    model = load_model(folder, torch.float32, CPU)
+    prompt = random_prompt(24, seed=2)
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = generate(model, [prompt], 32, eos_ids=frozenset()).tokens[0]
+    assert got == expected[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_prefill_then_decode_gives_the_logits_of_one_full_forward(kind, tiny_checkpoint):
+    folder, _ = tiny_checkpoint(kind)
+    model = load_model(folder, torch.float32, CPU)
+    sequence = random_prompt(40, seed=3)
+    full_cache = KVCache.allocate(model.config, 1, len(sequence), torch.float32, CPU)
+    full = prefill(model, full_cache, [sequence], all_logits=True)[0]  # [T, V]
+
+    n_prompt = 10
+    cache = KVCache.allocate(model.config, 1, len(sequence), torch.float32, CPU)
+    prefill(model, cache, [sequence[:n_prompt]])
+    finished = torch.zeros(1, dtype=torch.bool)
+    eos = torch.tensor([-1])
+    for i in range(n_prompt, len(sequence)):
+        tokens = torch.tensor([sequence[i]])
+        logits = decode_step(model, cache, tokens, finished, eos, SamplingConfig())
+        assert (logits[0] - full[i]).abs().max().item() <= 1e-4
+    assert cache.length.tolist() == [len(sequence)] and cache.position.tolist() == [len(sequence)]
+
+
+def test_bfloat16_logits_close_to_transformers_bfloat16(tiny_checkpoint):
+    folder, hf = tiny_checkpoint("qwen2")
+    model = load_model(folder, torch.bfloat16, CPU)
+    prompt = random_prompt(30, seed=4)
+    expected = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+    cache = KVCache.allocate(model.config, 1, len(prompt), torch.bfloat16, CPU)
+    got = prefill(model, cache, [prompt], all_logits=True)[0].float()
+    assert (got - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
