@@ -8,14 +8,22 @@ same shapes on every call and reads the row lengths from the device, so it can b
 
 import torch
 
+from compression.manager import CompressionManager
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig, sample
 from models.transformer import Transformer
 
 
-def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+def prefill(
+    model: Transformer,
+    cache: KVCache,
+    prompts: list[list[int]],
+    all_logits: bool = False,
+    compression: CompressionManager | None = None,
+) -> torch.Tensor:
     """Write the prompts into slots 0..len-1 of each row. Logits [B, V] at each prompt's last token,
-    or [B, T, V] at every position with all_logits."""
+    or [B, T, V] at every position with all_logits. The compression manager, if any, is seeded
+    with the prompt's queries."""
     device = cache.k.device
     B, T = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
@@ -29,7 +37,12 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], all_lo
     mask = (causal & in_prompt).unsqueeze(1)  # [B, 1, T, T]
     # Only the first T slots can hold anything yet: attend over that view of the cache.
     k, v = cache.k[:, :, :, :T], cache.v[:, :, :, :T]
-    logits = model(tokens, positions, k, v, positions, mask, logit_index=None if all_logits else lengths - 1)
+    logit_index = None if all_logits else lengths - 1
+    if compression is not None:
+        logits, queries = model(tokens, positions, k, v, positions, mask, logit_index, return_queries=True)
+        compression.seed(queries, lengths)
+    else:
+        logits = model(tokens, positions, k, v, positions, mask, logit_index)
     cache.length.copy_(lengths)
     cache.position.copy_(lengths)
     cache.prompt_length.copy_(lengths)
@@ -43,11 +56,19 @@ def decode_step(
     finished: torch.Tensor,  # [B] bool, updated in place
     eos_ids: torch.Tensor,  # [E] int64
     sampling: SamplingConfig,
+    compression: CompressionManager | None = None,
 ) -> torch.Tensor:
-    """Feed one token per row, sample the next, advance the counters; returns the logits [B, V]."""
+    """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
+    The compression manager, if any, records this step's queries into its static buffer."""
     slots = cache.length[:, None]  # [B, 1]
     mask = (cache.slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
-    logits = model(tokens[:, None], cache.position[:, None], cache.k, cache.v, slots, mask)[:, 0]  # [B, V]
+    inputs = (tokens[:, None], cache.position[:, None], cache.k, cache.v, slots, mask)
+    if compression is not None:
+        logits, queries = model(*inputs, return_queries=True)
+        compression.record(queries)
+    else:
+        logits = model(*inputs)
+    logits = logits[:, 0]  # [B, V]
     # A finished row keeps running (shapes are static) but only ever emits EOS again.
     next_tokens = torch.where(finished, eos_ids[0], sample(logits, sampling))
     finished |= torch.isin(next_tokens, eos_ids)

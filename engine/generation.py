@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compression.config import CompressionConfig
+from compression.manager import CompressionManager, CompressionStats
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig, sample
@@ -21,6 +23,7 @@ class GenerationResult:
     decode_s: float
     decode_steps: int
     kv_cache_bytes: int
+    compression: CompressionStats | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -49,18 +52,24 @@ def generate(
     sampling: SamplingConfig = SamplingConfig(),
     compile: bool = False,
     on_tokens: Callable[[list[int | None]], None] | None = None,
+    compression: CompressionConfig = CompressionConfig(),
 ) -> GenerationResult:
     """Generate for a batch of prompts (any lengths). on_tokens receives, after every step, each
-    row's new token, or None for a row that has finished."""
+    row's new token, or None for a row that has finished. With a compression policy the cache
+    holds the prompt + budget_max + window slots only, and is compacted whenever it is full."""
     check_lengths(model, prompts, max_new_tokens)
     device = model.embed.weight.device
     B = len(prompts)
-    cache = KVCache.allocate(model.config, B, max(len(p) for p in prompts) + max_new_tokens, model.embed.weight.dtype, device)
+    n_slots = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
+    cache = KVCache.allocate(model.config, B, n_slots, model.embed.weight.dtype, device)
+    manager = None
+    if compression.enabled:
+        manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
     step = torch.compile(decode_step, fullgraph=True) if compile else decode_step
 
     start = time.perf_counter()
-    logits = prefill(model, cache, prompts)
+    logits = prefill(model, cache, prompts, compression=manager)
     tokens = sample(logits, sampling)
     finished = torch.isin(tokens, eos)
     new_tokens = tokens.tolist()  # the host sync that ends prefill
@@ -83,7 +92,11 @@ def generate(
             on_tokens(emitted)
         if all(done) or steps + 1 == max_new_tokens:
             break
-        step(model, cache, tokens, finished, eos, sampling)
+        step(model, cache, tokens, finished, eos, sampling, manager)
+        if manager is not None:
+            manager.after_step()
         steps += 1
         new_tokens = tokens.tolist()
-    return GenerationResult(generated, sum(map(len, prompts)), prefill_s, time.perf_counter() - start, steps, cache.nbytes)
+    decode_s = time.perf_counter() - start
+    stats = manager.stats if manager is not None else None
+    return GenerationResult(generated, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, stats)

@@ -84,7 +84,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [B, H_kv, S, D], written in place
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor,  # [B, 1, T, S] True where a query may read a slot
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output [B, T, C] and the queries before RoPE [B, H, T, D] (for compression)."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
@@ -92,7 +93,8 @@ class Attention(nn.Module):
         k = k.view(B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        q_before_rope = q.transpose(1, 2)  # [B, H, T, D]
+        q = apply_rope(q_before_rope, cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
 
@@ -108,7 +110,7 @@ class Attention(nn.Module):
             mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
         out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
         out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-        return self.wo(out)
+        return self.wo(out), q_before_rope
 
 
 class MLP(nn.Module):
@@ -131,8 +133,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, k_cache, v_cache, write_slots, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_slots, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        attended, queries = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_slots, mask)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), queries
 
 
 class Transformer(nn.Module):
@@ -156,12 +159,17 @@ class Transformer(nn.Module):
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor,  # [B, 1, T, S]
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
-    ) -> torch.Tensor:
-        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None."""
+        return_queries: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
+        With return_queries, also every layer's queries before RoPE, [L, B, H, T, D]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D]
         x = self.embed(tokens)
+        queries = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, mask)
+            x, q = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, mask)
+            queries.append(q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        return (logits, torch.stack(queries)) if return_queries else logits

@@ -1,0 +1,32 @@
+"""Compaction: move the kept slots to the front of the same cache buffers, per (layer, row, KV head)."""
+
+import torch
+
+
+def compact_in_place(
+    buffers: list[torch.Tensor],  # each [L, B, H_kv, S, ...], rewritten in place
+    prompt_length: torch.Tensor,  # [B] the protected prefix of each row, which does not move
+    keep: torch.Tensor,  # [L, B, H_kv, K] kept candidates, as offsets after the prefix, ascending
+    n_candidates: int,  # candidates per row; the window follows them
+    window: int,
+) -> None:
+    """[prefix | candidates | window] becomes [prefix | kept | window | free slots].
+
+    Kept offsets are ascending, so each one moves towards the front or stays: gathering all of
+    them before writing any makes the in-place move safe.
+    """
+    L, B, H_kv, K = keep.shape
+    window_offsets = torch.arange(n_candidates, n_candidates + window, device=keep.device).expand(L, B, H_kv, window)
+    base = prompt_length.view(1, B, 1, 1)
+    source = base + torch.cat([keep, window_offsets], dim=-1)  # [L, B, H_kv, K + W]
+    target = base + torch.arange(K + window, device=keep.device)
+    target = target.expand_as(source)
+    for buffer in buffers:
+        moved = buffer.gather(3, _broadcast_to(source, buffer))
+        buffer.scatter_(3, _broadcast_to(target, buffer), moved)
+
+
+def _broadcast_to(index: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Slot indices [L, B, H_kv, N] repeated over the buffer's trailing dims (the head dim of K/V)."""
+    trailing = buffer.shape[4:]
+    return index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)

@@ -1,0 +1,50 @@
+"""What a KV-cache policy is asked to do: which policy, and the budget it must keep to."""
+
+from dataclasses import dataclass
+
+from models.errors import UserError
+
+POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "random")
+AGGREGATIONS = ("max", "mean", "lse")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    policy: str = "none"
+    budget: int = 512  # generated tokens kept after a compaction (budget_min), the recent window excluded
+    hysteresis: int = 128  # compaction starts when the kept part exceeds budget + hysteresis (budget_max)
+    window: int = 32  # most recent tokens, never evicted
+    n_beacon: int = 16  # BeaconKV: beacon queries per (layer, query head)
+    n_recent: int = 16  # recent queries buffered per (layer, query head); the observation window of the baselines
+    aggregation: str = "max"  # BeaconKV: how scores combine over queries and the heads of a KV group
+    seed: int = 0  # for the random policy
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise UserError(f"unknown --kv-policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise UserError(f"unknown --kv-aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+        for name in ("budget", "hysteresis", "window", "n_recent"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.n_beacon < 0:
+            raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    @property
+    def budget_max(self) -> int:
+        return self.budget + self.hysteresis
+
+    @property
+    def buffered_beacons(self) -> int:
+        """Beacon slots in the query buffer: only BeaconKV keeps any."""
+        return self.n_beacon if self.policy == "beacon" else 0
+
+    def slots_needed(self, longest_prompt: int, max_new_tokens: int) -> int:
+        """Cache slots per row: the prompt plus what can be generated before the next compaction."""
+        if not self.enabled:
+            return longest_prompt + max_new_tokens
+        return longest_prompt + min(max_new_tokens, self.budget_max + self.window + 1)

@@ -1,0 +1,27 @@
+"""Farthest-point sampling by cosine similarity: pick a few queries that cover all directions."""
+
+import torch
+
+
+def farthest_point_sampling(points: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [..., k] of k points chosen from points [..., N, D], batched over the leading dims.
+
+    Start with the point least similar on average to the others; then repeatedly add the point
+    whose highest similarity to the chosen ones is lowest. Points where valid [..., N] is False
+    are never chosen; when fewer than k are valid, chosen points repeat.
+    """
+    unit = torch.nn.functional.normalize(points.float(), dim=-1)  # [..., N, D]
+    if valid is None:
+        valid = torch.ones(unit.shape[:-1], dtype=torch.bool, device=unit.device)
+    valid = valid.expand(unit.shape[:-1])
+    unit = unit * valid.unsqueeze(-1)  # invalid points add nothing to the mean
+    # Mean similarity to all points = dot with the mean vector: no N x N matrix is built.
+    mean_similarity = (unit @ unit.sum(-2, keepdim=True).transpose(-1, -2)).squeeze(-1)  # [..., N]
+    first = mean_similarity.masked_fill(~valid, float("inf")).argmin(-1)  # [...]
+    chosen = [first]
+    closest = torch.full_like(mean_similarity, -float("inf")).masked_fill(~valid, float("inf"))
+    for _ in range(k - 1):
+        newest = unit.gather(-2, chosen[-1][..., None, None].expand(*unit.shape[:-2], 1, unit.shape[-1]))  # [..., 1, D]
+        closest = torch.maximum(closest, (unit * newest).sum(-1))
+        chosen.append(closest.argmin(-1))
+    return torch.stack(chosen, dim=-1)

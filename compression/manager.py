@@ -1,0 +1,158 @@
+"""The compression manager: records queries during decoding and compacts the cache on schedule.
+
+Its schedule depends only on how many tokens have been decoded, which the host knows without
+reading the device: every row of a batch generates one slot per step, so every row crosses the
+budget at the same step. Queries are written into a static buffer from inside the decode step;
+everything else happens between steps.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from compression.compaction import compact_in_place
+from compression.config import CompressionConfig
+from compression.fps import farthest_point_sampling
+from compression.policies import SCORERS, ScoringInputs
+from compression.scoring import rotate_to_position
+
+
+class Cache(Protocol):
+    """The part of the engine's KV cache that compression reads and rewrites."""
+
+    k: torch.Tensor  # [L, B, H_kv, S, D] keys after RoPE
+    v: torch.Tensor  # [L, B, H_kv, S, D]
+    length: torch.Tensor  # [B] slots in use
+    position: torch.Tensor  # [B] absolute position of the next token
+    prompt_length: torch.Tensor  # [B] protected prefix
+
+
+@dataclass
+class CompressionStats:
+    compactions: int = 0
+    compaction_s: list[float] = field(default_factory=list)
+    refresh_s: list[float] = field(default_factory=list)  # BeaconKV's FPS refreshes
+
+
+def record_query(buffer: torch.Tensor, slot: torch.Tensor, queries: torch.Tensor, n_beacon: int, n_recent: int) -> None:
+    """Inside the decode step: write queries [L, B, H, 1, D] at buffer slot `slot` ([1], on the
+    device) and advance it through the ring of recent slots that follows the beacons."""
+    buffer.index_copy_(3, slot, queries.to(buffer.dtype))
+    slot.copy_(n_beacon + (slot - n_beacon + 1) % n_recent)
+
+
+class CompressionManager:
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        L, B, _, S, D = cache.k.shape
+        self.config = config
+        self.cache = cache
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
+        self.n_beacon = config.buffered_beacons
+        # [L, B, H, n_beacon + n_recent, D]: beacons first, then a ring of recent queries.
+        self.queries = torch.zeros(L, B, n_heads, self.n_beacon + config.n_recent, D, dtype=cache.k.dtype, device=cache.k.device)
+        self.query_slot = torch.full((1,), self.n_beacon, dtype=torch.int64, device=cache.k.device)
+        self.steps = 0  # decode steps so far, each of which recorded one query (host count)
+        self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
+        self.kept_positions: torch.Tensor | None = None  # [L, B, H_kv, budget] positions of the kept slots
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.stats = CompressionStats()
+
+    def record(self, queries: torch.Tensor) -> None:
+        """Called inside the decode step with that step's queries [L, B, H, 1, D]."""
+        record_query(self.queries, self.query_slot, queries, self.n_beacon, self.config.n_recent)
+
+    def seed(self, prompt_queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
+        """After prefill: the first beacons are the farthest points among the prompt's queries [L, B, H, T, D]."""
+        if self.n_beacon == 0:
+            return
+        T = prompt_queries.shape[3]
+        valid = torch.arange(T, device=prompt_lengths.device)[None, :] < prompt_lengths[:, None]  # [B, T]
+        self._set_beacons(prompt_queries, valid[None, :, None, :])
+
+    def after_step(self) -> None:
+        """Between steps: one more slot is in use and one more query was recorded."""
+        self.steps += 1
+        self.generated += 1
+        if self.n_beacon and self.steps % self.config.n_recent == 0:
+            self._refresh_beacons()
+        if self.generated - self.config.window > self.config.budget_max:
+            self._compact()
+
+    def _set_beacons(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> None:
+        picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [L, B, H, n_beacon]
+        D = candidates.shape[-1]
+        chosen = candidates.gather(3, picks[..., None].expand(*picks.shape, D))
+        self.queries[:, :, :, : self.n_beacon] = chosen
+
+    def _refresh_beacons(self) -> None:
+        """Continual FPS: the buffer is full, so its beacons and recent queries together yield new beacons."""
+        start = time.perf_counter()
+        self._set_beacons(self.queries.clone(), None)
+        self._sync()
+        self.stats.refresh_s.append(time.perf_counter() - start)
+
+    def recent_queries(self) -> torch.Tensor:
+        """The recorded recent queries [L, B, H, R, D], oldest first."""
+        ring = self.queries[:, :, :, self.n_beacon :]
+        filled = self.steps % self.config.n_recent  # also the slot the next query goes to
+        if self.n_beacon or self.steps < self.config.n_recent:
+            # BeaconKV's recent part starts empty after each refresh; a baseline's ring has not wrapped yet.
+            return ring[:, :, :, :filled]
+        return ring.roll(-filled, dims=3)
+
+    def _compact(self) -> None:
+        start = time.perf_counter()
+        cache, config = self.cache, self.config
+        n_candidates = self.generated - config.window
+        L, B, H_kv, _, D = cache.k.shape
+        offsets = torch.arange(n_candidates, device=cache.k.device)
+        candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
+        cos, sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]
+        recent = self.recent_queries()
+        scorer = SCORERS[config.policy]
+        keep = []
+        for layer in range(L):
+            keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
+            inputs = ScoringInputs(
+                beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin),
+                recent=rotate_to_position(recent[layer], cos, sin),
+                keys=keys,
+                config=config,
+                generator=self.generator,
+            )
+            scores = scorer(inputs)  # [B, H_kv, C]
+            keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
+        keep = torch.stack(keep)  # [L, B, H_kv, budget]
+
+        positions = self.slot_positions()
+        compact_in_place([cache.k, cache.v, positions], cache.prompt_length, keep, n_candidates, config.window)
+        kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
+        self.kept_positions = positions.gather(3, kept_slots.expand(L, B, H_kv, config.budget))
+        cache.length.copy_(cache.prompt_length + config.budget + config.window)
+        self.generated = config.budget + config.window
+        self._sync()
+        self.stats.compactions += 1
+        self.stats.compaction_s.append(time.perf_counter() - start)
+
+    def slot_positions(self) -> torch.Tensor:
+        """Absolute position held by every slot, [L, B, H_kv, S] (slots past `length` hold garbage).
+
+        The prefix sits at its own positions; after a compaction the kept slots hold what was
+        recorded; every slot after them was written in order, one position per step.
+        """
+        cache = self.cache
+        L, B, H_kv, S, _ = cache.k.shape
+        slots = torch.arange(S, device=cache.k.device)
+        positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
+        positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)
+        positions = positions[None, :, None, :].expand(L, B, H_kv, S).clone()
+        if self.kept_positions is not None:
+            kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(self.config.budget, device=slots.device)
+            positions.scatter_(3, kept_slots.expand_as(self.kept_positions), self.kept_positions)
+        return positions
+
+    def _sync(self) -> None:
+        if self.cache.k.device.type == "cuda":
+            torch.cuda.synchronize()  # so that the timings measure the work, not its launch

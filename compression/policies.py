@@ -1,0 +1,81 @@
+"""The scoring rule of each policy. Every rule maps the same inputs to one score per candidate
+key, [B, H_kv, C]; the manager keeps the best-scoring candidates and compacts the cache, so the
+policies differ here and nowhere else."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from compression.config import CompressionConfig
+from compression.scoring import aggregate, attention_logits, pool
+
+
+@dataclass
+class ScoringInputs:
+    beacons: torch.Tensor  # [B, H, n_beacon, D] BeaconKV's beacon queries, rotated to the current position
+    recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, rotated likewise
+    keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
+    config: CompressionConfig
+    generator: torch.Generator
+
+
+def beacon(x: ScoringInputs) -> torch.Tensor:
+    """BeaconKV: beacons (clusters of past queries) and recent queries vote, max over the group by default."""
+    queries = torch.cat([x.beacons, x.recent], dim=2)
+    return aggregate(attention_logits(queries, x.keys), x.config.aggregation)
+
+
+def attention_weights(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Softmax attention [B, H_kv, G, Q, C] of the queries over the candidate keys."""
+    return attention_logits(queries, keys).softmax(dim=-1)
+
+
+def rpc(x: ScoringInputs) -> torch.Tensor:
+    """Reasoning Path Compression: mean attention of the recent queries (the selector window), average-pooled."""
+    return pool(attention_weights(x.recent, x.keys).mean(dim=(2, 3)), kernel=7, how="mean")
+
+
+def snapkv(x: ScoringInputs) -> torch.Tensor:
+    """SnapKV: attention summed over the observation window, averaged over the group, max-pooled."""
+    return pool(attention_weights(x.recent, x.keys).sum(dim=3).mean(dim=2), kernel=7, how="max")
+
+
+def tova(x: ScoringInputs) -> torch.Tensor:
+    """TOVA: the attention of the newest query alone, averaged over the group."""
+    return attention_weights(x.recent[:, :, -1:], x.keys).mean(dim=(2, 3))
+
+
+def rkv(x: ScoringInputs, importance_weight: float = 0.1) -> torch.Tensor:
+    """R-KV: importance (pooled attention of the recent queries) minus redundancy (a key much like
+    many other keys is cheap to lose), both as distributions over the candidates."""
+    importance = pool(attention_weights(x.recent, x.keys).mean(dim=(2, 3)), kernel=7, how="max")
+    importance = importance / importance.sum(-1, keepdim=True)
+    unit = torch.nn.functional.normalize(x.keys.float(), dim=-1)
+    similarity = unit @ unit.transpose(-1, -2)  # [B, H_kv, C, C]
+    C = similarity.shape[-1]
+    redundancy = ((similarity.sum(-1) - 1) / max(C - 1, 1)).softmax(dim=-1)  # self-similarity excluded
+    return importance_weight * importance - (1 - importance_weight) * redundancy
+
+
+def streaming(x: ScoringInputs) -> torch.Tensor:
+    """StreamingLLM: the prompt (the attention sinks) and the newest tokens; the oldest go first."""
+    B, H_kv, C, _ = x.keys.shape
+    return torch.arange(C, dtype=torch.float32, device=x.keys.device).expand(B, H_kv, C)
+
+
+def random(x: ScoringInputs) -> torch.Tensor:
+    """Uniformly random eviction: the floor every informed policy must beat."""
+    B, H_kv, C, _ = x.keys.shape
+    return torch.rand(B, H_kv, C, generator=x.generator, device="cpu").to(x.keys.device)
+
+
+SCORERS: dict[str, Callable[[ScoringInputs], torch.Tensor]] = {
+    "beacon": beacon,
+    "streaming": streaming,
+    "rpc": rpc,
+    "snapkv": snapkv,
+    "tova": tova,
+    "rkv": rkv,
+    "random": random,
+}
