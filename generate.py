@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.generation import GenerationResult, generate
 from engine.sampling import SamplingConfig
 from models.errors import UserError
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start, checks it is graph-capturable)")
+    add_compression_args(p)
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
         p.error("give the prompt either as an argument or with --prompt, not both")
@@ -45,6 +47,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prompt is not None and args.prompt_file is not None:
         p.error("--prompt and --prompt-file are exclusive")
     return args
+
+
+def add_compression_args(p: argparse.ArgumentParser) -> None:
+    d = CompressionConfig()
+    g = p.add_argument_group("KV-cache compression")
+    g.add_argument("--kv-policy", choices=POLICIES, default=d.policy, help="which generated tokens stay in the cache (none: all of them)")
+    g.add_argument("--kv-budget", type=int, default=d.budget, help="generated tokens kept by a compaction, the recent window excluded")
+    g.add_argument("--kv-hysteresis", type=int, default=d.hysteresis, help="compaction starts when the kept part exceeds budget + this")
+    g.add_argument("--kv-window", type=int, default=d.window, help="most recent tokens, never evicted")
+    g.add_argument("--n-beacon", type=int, default=d.n_beacon, help="BeaconKV: beacon queries per layer and head")
+    g.add_argument("--n-recent", type=int, default=d.n_recent, help="recent queries that score the cache (all policies that use queries)")
+    g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
+
+
+def compression_config(args: argparse.Namespace) -> CompressionConfig:
+    return CompressionConfig(
+        policy=args.kv_policy,
+        budget=args.kv_budget,
+        hysteresis=args.kv_hysteresis,
+        window=args.kv_window,
+        n_beacon=args.n_beacon,
+        n_recent=args.n_recent,
+        aggregation=args.kv_aggregation,
+        seed=args.seed,
+    )
 
 
 def pick_device(name: str) -> torch.device:
@@ -98,6 +125,7 @@ def summary(result: GenerationResult) -> str:
         f"prompt tokens: {result.prompt_tokens} | new tokens: {result.new_tokens} | "
         f"prefill: {prefill_rate:.1f} tok/s | decode: {decode_rate:.1f} tok/s | "
         f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
+        + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
     )
 
 
@@ -105,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        compression = compression_config(args)
         device = pick_device(args.device)
         checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
         tokenizer = Tokenizer.from_dir(checkpoint)
@@ -119,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(stream.push(tokens[0]), end="", flush=True)
 
         with torch.inference_mode():
-            result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens)
+            result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression)
         if stream is not None:
             print(stream.flush())
         else:

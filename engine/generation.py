@@ -3,11 +3,13 @@
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
+from engine.cuda_graph import capture_decode_step
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig, sample
@@ -53,6 +55,7 @@ def generate(
     compile: bool = False,
     on_tokens: Callable[[list[int | None]], None] | None = None,
     compression: CompressionConfig = CompressionConfig(),
+    cuda_graph: bool = False,
 ) -> GenerationResult:
     """Generate for a batch of prompts (any lengths). on_tokens receives, after every step, each
     row's new token, or None for a row that has finished. With a compression policy the cache
@@ -65,8 +68,9 @@ def generate(
     manager = None
     if compression.enabled:
         manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    if cuda_graph and device.type != "cuda":
+        raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
     eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
-    step = torch.compile(decode_step, fullgraph=True) if compile else decode_step
 
     start = time.perf_counter()
     logits = prefill(model, cache, prompts, compression=manager)
@@ -74,6 +78,12 @@ def generate(
     finished = torch.isin(tokens, eos)
     new_tokens = tokens.tolist()  # the host sync that ends prefill
     prefill_s = time.perf_counter() - start
+
+    step = torch.compile(decode_step, fullgraph=True) if compile else decode_step
+    advance = partial(step, model, cache, tokens, finished, eos, sampling, manager)
+    if cuda_graph and max_new_tokens > 1:
+        state = [cache.length, cache.position, tokens, finished] + ([manager.query_slot] if manager else [])
+        advance = capture_decode_step(advance, state)
 
     generated: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -92,7 +102,7 @@ def generate(
             on_tokens(emitted)
         if all(done) or steps + 1 == max_new_tokens:
             break
-        step(model, cache, tokens, finished, eos, sampling, manager)
+        advance()
         if manager is not None:
             manager.after_step()
         steps += 1

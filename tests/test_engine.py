@@ -71,3 +71,9 @@ def test_prompt_plus_new_tokens_beyond_the_model_maximum_is_refused(tiny_checkpo
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     with pytest.raises(UserError, match="exceeds the model's maximum of 512 positions"):
         generate(model, prompts_of([500]), 13, eos_ids=frozenset())
+
+
+def test_cuda_graph_on_a_cpu_model_is_refused(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
+        generate(model, [[3, 4]], 4, eos_ids=frozenset(), cuda_graph=True)

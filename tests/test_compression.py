@@ -1,0 +1,182 @@
+"""BeaconKV and the baselines against brute-force references, and the cache invariants they keep."""
+
+import math
+
+import pytest
+import torch
+
+from compression.compaction import compact_in_place
+from compression.config import POLICIES, CompressionConfig
+from compression.fps import farthest_point_sampling
+from compression.manager import CompressionManager
+from compression.scoring import aggregate, attention_logits
+from engine.decode import decode_step, prefill
+from engine.generation import generate
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingConfig
+from models.errors import UserError
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def brute_force_fps(points: torch.Tensor, k: int, valid: list[bool]) -> list[int]:
+    """The definition, one point at a time, with the full similarity matrix."""
+    n = points.shape[0]
+    sim = [[torch.cosine_similarity(points[i], points[j], dim=0).item() for j in range(n)] for i in range(n)]
+    candidates = [i for i in range(n) if valid[i]]
+    chosen = [min(candidates, key=lambda i: sum(sim[i][j] for j in candidates if j != i))]
+    while len(chosen) < k:
+        chosen.append(min(candidates, key=lambda i: max(sim[i][c] for c in chosen)))
+    return chosen
+
+
+def test_fps_picks_the_same_points_as_brute_force():
+    torch.manual_seed(0)
+    points = torch.randn(2, 3, 12, 5)  # [rows, heads, N, D]
+    valid = torch.rand(2, 1, 12) > 0.25
+    picks = farthest_point_sampling(points, 4, valid)
+    for b in range(2):
+        for h in range(3):
+            assert picks[b, h].tolist() == brute_force_fps(points[b, h], 4, valid[b, 0].tolist())
+
+
+def test_fps_with_fewer_valid_points_than_picks_repeats_valid_ones():
+    points = torch.randn(1, 6, 3)
+    valid = torch.tensor([[False, True, False, True, False, False]])
+    picks = farthest_point_sampling(points, 4, valid)[0].tolist()
+    assert set(picks) == {1, 3}
+
+
+@pytest.mark.parametrize("how", ["max", "mean", "lse"])
+def test_scores_match_each_query_head_to_its_own_kv_head(how):
+    torch.manual_seed(1)
+    B, H, H_kv, Q, C, D = 2, 6, 2, 3, 7, 4
+    queries, keys = torch.randn(B, H, Q, D), torch.randn(B, H_kv, C, D)
+    got = aggregate(attention_logits(queries, keys), how)  # [B, H_kv, C]
+    G = H // H_kv
+    for b in range(B):
+        for kv in range(H_kv):
+            for c in range(C):
+                logits = [
+                    (queries[b, h, q] @ keys[b, kv, c]).item() / math.sqrt(D)
+                    for h in range(kv * G, (kv + 1) * G)  # query heads h with h // G == kv
+                    for q in range(Q)
+                ]
+                expected = {"max": max(logits), "mean": sum(logits) / len(logits), "lse": math.log(sum(map(math.exp, logits)))}[how]
+                assert got[b, kv, c].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_compaction_gives_the_attention_of_the_kept_subset():
+    torch.manual_seed(2)
+    L, B, H_kv, S, D = 2, 2, 3, 24, 4
+    k, v = torch.randn(L, B, H_kv, S, D), torch.randn(L, B, H_kv, S, D)
+    full_k, full_v = k.clone(), v.clone()
+    prompt_length = torch.tensor([3, 6])
+    n_candidates, window, K = 10, 2, 4
+    keep = torch.rand(L, B, H_kv, n_candidates).argsort(-1)[..., :K].sort(-1).values
+    compact_in_place([k, v], prompt_length, keep, n_candidates, window)
+    query = torch.randn(D)
+    for l in range(L):
+        for b in range(B):
+            P = prompt_length[b].item()
+            for h in range(H_kv):
+                kept_slots = list(range(P)) + [P + i for i in keep[l, b, h].tolist()] + list(range(P + n_candidates, P + n_candidates + window))
+                n = len(kept_slots)
+                subset_k, subset_v = full_k[l, b, h, kept_slots], full_v[l, b, h, kept_slots]
+                expected = torch.softmax(subset_k @ query, 0) @ subset_v
+                got = torch.softmax(k[l, b, h, :n] @ query, 0) @ v[l, b, h, :n]
+                assert torch.allclose(got, expected, atol=1e-6)
+
+
+def teacher_forced_run(model, config, prompts, continuation, check_each_step=None):
+    """Prefill, then feed the continuation token by token through the decode step."""
+    cache = KVCache.allocate(model.config, len(prompts), config.slots_needed(max(map(len, prompts)), len(continuation)), torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin) if config.enabled else None
+    prefill(model, cache, prompts, compression=manager)
+    tokens, finished, eos = torch.zeros(len(prompts), dtype=torch.int64), torch.zeros(len(prompts), dtype=torch.bool), torch.tensor([-1])
+    for token in continuation:
+        tokens.fill_(token)
+        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        if manager is not None:
+            compactions = manager.stats.compactions
+            manager.after_step()
+            if check_each_step:
+                check_each_step(cache, manager, compactions != manager.stats.compactions)
+    return cache, manager
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+def test_length_stays_within_the_allocation_and_compacts_to_prefix_budget_window(policy, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy=policy, budget=8, hysteresis=4, window=3, n_beacon=3, n_recent=5)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]
+    continuation = torch.randint(3, 384, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    seen = []
+
+    def check(cache, manager, compacted):
+        assert (cache.length <= cache.n_slots).all()
+        if compacted:
+            assert cache.length.tolist() == [3 + 8 + 3, 7 + 8 + 3]
+            seen.append(cache.position.tolist())
+
+    cache, manager = teacher_forced_run(model, config, prompts, continuation, check)
+    assert cache.n_slots == 7 + 8 + 4 + 3 + 1
+    assert len(seen) == manager.stats.compactions >= 4
+    assert cache.position.tolist() == [3 + 60, 7 + 60]  # positions never move back
+
+
+def test_kept_keys_keep_their_positions(tiny_checkpoint):
+    """Layer 0's key depends only on the token and its position, so every kept slot must hold
+    exactly the full-cache key of the position the manager says it holds."""
+    model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
+    prompt = [4, 8, 15, 16]
+    continuation = torch.randint(3, 384, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = CompressionConfig(policy="beacon", budget=10, hysteresis=5, window=4, n_beacon=3, n_recent=6)
+    cache, manager = teacher_forced_run(model, config, [prompt], continuation)
+    full, _ = teacher_forced_run(model, CompressionConfig(), [prompt], continuation)
+    assert manager.stats.compactions >= 2
+    positions = manager.slot_positions()[0, 0]  # layer 0, row 0: [H_kv, S]
+    n = cache.length.item()
+    for h in range(model.config.n_kv_heads):
+        expected = full.k[0, 0, h, positions[h, :n]]
+        assert torch.allclose(cache.k[0, 0, h, :n], expected, atol=1e-6)
+        assert positions[h, :n].tolist() == sorted(positions[h, :n].tolist())
+
+
+@pytest.mark.parametrize("policy", ["beacon", "snapkv", "rkv", "streaming"])
+def test_rows_of_a_batch_are_compressed_independently(policy, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (4, 13, 9)]
+    config = CompressionConfig(policy=policy, budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
+    batch = generate(model, prompts, 60, eos_ids=frozenset(), compression=config).tokens
+    alone = [generate(model, [p], 60, eos_ids=frozenset(), compression=config).tokens[0] for p in prompts]
+    assert batch == alone
+
+
+def test_a_budget_larger_than_the_generation_gives_the_full_cache_tokens(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    full = generate(model, prompts, 40, eos_ids=frozenset()).tokens
+    config = CompressionConfig(policy="beacon", budget=64, window=4)
+    result = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
+    assert result.tokens == full and result.compression.compactions == 0
+
+
+def test_compiled_step_with_query_recording_equals_eager(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
+    prompts = [[3, 9, 27, 81], [5, 25, 125]]
+    config = CompressionConfig(policy="beacon", budget=10, hysteresis=4, window=3, n_beacon=3, n_recent=5)
+    eager = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
+    compiled = generate(model, prompts, 40, eos_ids=frozenset(), compression=config, compile=True)
+    assert compiled.tokens == eager.tokens and compiled.compression.compactions == eager.compression.compactions > 0
+
+
+def test_bad_compression_options_are_refused():
+    with pytest.raises(UserError, match="unknown --kv-policy 'h2o'"):
+        CompressionConfig(policy="h2o")
+    with pytest.raises(UserError, match="--kv-budget must be >= 1"):
+        CompressionConfig(policy="beacon", budget=0)
+    with pytest.raises(UserError, match="unknown --kv-aggregation"):
+        CompressionConfig(aggregation="median")

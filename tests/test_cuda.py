@@ -1,0 +1,37 @@
+"""CUDA-only paths; every test here skips on a machine without CUDA."""
+
+import pytest
+import torch
+
+from compression.config import CompressionConfig
+from engine.generation import generate
+from weights.loader import load_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_graph_replay_equals_eager_token_for_token(kind, tiny_checkpoint):
+    model = load_model(tiny_checkpoint(kind)[0], torch.float32, CUDA)
+    prompts = prompts_of([6, 21, 13])
+    eager = generate(model, prompts, 40, eos_ids=frozenset()).tokens
+    graphed = generate(model, prompts, 40, eos_ids=frozenset(), cuda_graph=True).tokens
+    assert graphed == eager
+
+
+@pytest.mark.parametrize("policy", ["beacon", "snapkv", "streaming"])
+def test_compaction_between_replays_keeps_graph_and_eager_equal(policy, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
+    prompts = prompts_of([5, 17], seed=1)
+    config = CompressionConfig(policy=policy, budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
+    eager = generate(model, prompts, 80, eos_ids=frozenset(), compression=config)
+    graphed = generate(model, prompts, 80, eos_ids=frozenset(), compression=config, cuda_graph=True)
+    assert graphed.compression.compactions == eager.compression.compactions > 0
+    assert graphed.tokens == eager.tokens
+
