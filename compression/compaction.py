@@ -2,6 +2,8 @@
 
 import torch
 
+from models.transformer import scatter_bits_
+
 
 def compact_in_place(
     buffers: list[torch.Tensor],  # each [L, B, H_kv, S, ...], rewritten in place
@@ -23,7 +25,7 @@ def compact_in_place(
     target = target.expand_as(source)
     for buffer in buffers:
         moved = buffer.gather(3, _broadcast_to(source, buffer))
-        buffer.scatter_(3, _broadcast_to(target, buffer), moved)
+        scatter_bits_(buffer, 3, _broadcast_to(target, buffer), moved)
 
 
 def _broadcast_to(index: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def scatter_bits_(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer.scatter_(dim, index, values), moving the values' bits as same-sized integers.
+
+    On CPU, scatter_ has no fast kernel for bfloat16/float16 and rewrites the whole buffer
+    (24 ms instead of 5 us for one layer's cache slot); integers take the fast path, exactly.
+    """
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[buffer.element_size()]
+    buffer.view(bits).scatter_(dim, index, values.to(buffer.dtype).view(bits))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -101,8 +111,8 @@ class Attention(nn.Module):
 
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
         slots = write_slots[:, None, :, None].expand(B, H_kv, T, D)
-        k_cache.scatter_(2, slots, k)
-        v_cache.scatter_(2, slots, v)
+        scatter_bits_(k_cache, 2, slots, k)
+        scatter_bits_(v_cache, 2, slots, v)
 
         if T == 1 and flash_decode_supported(k_cache):
             out = flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)  # [B, H, 1, D]

@@ -68,3 +68,18 @@ def test_bfloat16_logits_close_to_transformers_bfloat16(tiny_checkpoint):
     cache = KVCache.allocate(model.config, 1, len(prompt), torch.bfloat16, CPU)
     got = prefill(model, cache, [prompt], all_logits=True)[0].float()
     assert (got - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cache_writes_move_the_exact_bits(dtype):
+    """The cache write goes through integer views (CPU scatter_ is ~1000x slower on 16-bit floats):
+    it must equal a plain scatter_, bit for bit, -0.0 and NaN included."""
+    from models.transformer import scatter_bits_
+
+    buffer = torch.randn(2, 3, 10, 4).to(dtype)
+    values = torch.randn(2, 3, 2, 4).to(dtype)
+    values[0, 0, 0, :2] = torch.tensor([-0.0, float("nan")], dtype=dtype)
+    index = torch.tensor([[7, 2], [0, 9]])[:, None, :, None].expand(2, 3, 2, 4)
+    expected = buffer.clone().scatter_(2, index, values)
+    scatter_bits_(buffer, 2, index, values)
+    assert torch.equal(buffer.view(torch.int16 if dtype != torch.float32 else torch.int32), expected.view(torch.int16 if dtype != torch.float32 else torch.int32))
