@@ -1,0 +1,66 @@
+"""What a decode step must read, and how much memory a process has held.
+
+The byte count is a model of the traffic no decode step can avoid, not a measurement: every
+weight once per step (shared by the batch), plus each row's K/V for the cache slots in use.
+The engine's step (and transformers' static cache) actually run attention over every allocated
+slot, masked, so their real traffic is somewhat higher; counting only the slots in use keeps the
+figure the same for every system, which is what makes achieved GB/s comparable between them.
+"""
+
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class DecodeTraffic:
+    batch: int
+    weight_bytes: int  # per step: every layer, the final norm, the LM head, and B embedding rows
+    kv_bytes_per_slot: int  # per row and slot: K and V over all layers
+    mean_slots: float  # slots each row's attention reads, averaged over the decode steps
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.weight_bytes + self.batch * self.kv_bytes_per_slot * self.mean_slots
+
+    @property
+    def bytes_per_token(self) -> float:
+        """One step makes one token per row, so the weights' cost is shared by the batch."""
+        return self.bytes_per_step / self.batch
+
+
+def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: int) -> DecodeTraffic:
+    """The bytes read by the new_tokens - 1 decode steps that follow a prefill of prompt_len tokens."""
+    config = model.config
+    itemsize = model.embed.weight.element_size()
+    # The LM head is read in full even when it is the embedding table; the table as an embedding
+    # is only gathered from, one row per batch row.
+    weight_bytes = (
+        sum(p.nbytes for p in model.layers.parameters())
+        + sum(p.nbytes for p in model.norm.parameters())
+        + model.lm_head.weight.nbytes
+        + batch * config.hidden_size * itemsize
+    )
+    kv_bytes_per_slot = 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
+    # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
+    # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
+    return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)
+
+
+def memory_high_water(device: torch.device) -> int:
+    """Bytes: the most this process has held so far. CUDA: the most torch allocated on the device.
+    CPU: the resident set's high-water mark (Linux VmHWM, which starts afresh with each process
+    image; elsewhere ru_maxrss, which may carry over the spawning parent's)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    status = Path("/proc/self/status")
+    if status.is_file():
+        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024  # reported in kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere

@@ -1,0 +1,125 @@
+"""bench.py end to end on a tiny random checkpoint: every figure present, positive and consistent.
+
+Nothing here asserts a speed: the figures are checked against each other and against the model's size.
+"""
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+import bench
+
+SYSTEMS = ("engine", "transformers", "transformers_static")
+FIELDS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "gb_per_s", "peak_mem_mib", "kv_cache_mib")
+BATCH, PROMPT, NEW = 2, 12, 6
+
+
+@pytest.fixture(scope="module")
+def report(tiny_checkpoint, tmp_path_factory):
+    folder, hf_model = tiny_checkpoint("llama")
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--device", "cpu", "--batch", str(BATCH), "--prompt-len", str(PROMPT)]
+    argv += ["--new-tokens", str(NEW), "--trials", "1", "--compare", "transformers", "--ceiling", "--json", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    return json.loads(out.read_text()), hf_model, stdout.getvalue()
+
+
+def test_every_field_is_present_and_positive(report):
+    data, _, _ = report
+    for system in SYSTEMS:
+        for field in FIELDS:
+            value = data[system][field]
+            assert math.isfinite(value) and value > 0, (system, field, value)
+    for field in ("read_gb_per_s", "ceiling_tok_s", "matmul_ceiling_tok_s"):
+        assert data["machine"][field] > 0
+    assert data["config"] | {"batch": BATCH, "prompt_len": PROMPT, "new_tokens": NEW, "dtype": "float32"} == data["config"]
+
+
+def test_figures_agree_with_each_other(report):
+    data, _, _ = report
+    bytes_per_token = data["traffic"]["bytes_per_token"]
+    machine = data["machine"]
+    assert machine["ceiling_tok_s"] == pytest.approx(machine["read_gb_per_s"] * 1e9 / bytes_per_token)
+    for system in SYSTEMS:
+        f = data[system]
+        assert f["gb_per_s"] == pytest.approx(bytes_per_token * f["decode_tok_s"] / 1e9)
+        assert f["prefill_tok_s"] * f["ttft_s"] == pytest.approx(BATCH * PROMPT)
+        assert f["ms_per_token"] == pytest.approx(1000 * BATCH / f["decode_tok_s"])
+        assert f["roofline_share"] == pytest.approx(f["decode_tok_s"] / machine["ceiling_tok_s"])
+        assert f["matmul_ceiling_share"] == pytest.approx(f["decode_tok_s"] / machine["matmul_ceiling_tok_s"])
+        assert f["decode_tok_s_trials"] == [f["decode_tok_s"]]  # one trial: the median is that trial
+        assert 0 < f["base_mem_mib"] <= f["peak_mem_mib"]
+    for other in SYSTEMS[1:]:
+        ratios = data["ratios"][f"engine/{other}"]
+        for field in ("decode_tok_s", "ttft_s", "prefill_tok_s", "peak_mem_mib"):
+            assert ratios[field] == pytest.approx(data["engine"][field] / data[other][field])
+
+
+def test_bytes_and_cache_sizes_follow_from_the_model(report):
+    data, hf_model, _ = report
+    config = hf_model.config
+    # Every weight but the embedding table (this checkpoint's LM head is untied), B embedding rows, float32.
+    weights = sum(p.numel() for name, p in hf_model.named_parameters() if "embed_tokens" not in name) * 4 + BATCH * config.hidden_size * 4
+    kv_per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4
+    traffic = data["traffic"]
+    assert traffic["weight_bytes_per_step"] == weights
+    assert traffic["kv_bytes_per_slot"] == kv_per_slot
+    # Decode steps read PROMPT + 1 ... PROMPT + NEW - 1 slots.
+    assert traffic["mean_kv_slots"] == pytest.approx(sum(range(PROMPT + 1, PROMPT + NEW)) / (NEW - 1))
+    assert traffic["bytes_per_token"] == pytest.approx((weights + BATCH * kv_per_slot * traffic["mean_kv_slots"]) / BATCH)
+    # The engine's static cache holds prompt + new tokens slots per row.
+    assert data["engine"]["kv_cache_mib"] * 2**20 == BATCH * (PROMPT + NEW) * kv_per_slot
+
+
+def test_the_table_names_every_system_and_unit(report):
+    _, _, out = report
+    header = next(line for line in out.splitlines() if "engine" in line and "transformers_static" in line)
+    assert header.split() == list(SYSTEMS)
+    for label in ("decode (tok/s)", "decode (ms/token)", "TTFT (s)", "prefill (tok/s)", "achieved (GB/s)", "peak memory (MiB)", "KV cache (MiB)"):
+        assert label in out
+    assert "read bandwidth" in out and "engine/transformers_static: decode" in out
+
+
+def test_a_sweep_draws_its_plot(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--new-tokens", "4", "--trials", "1", "--compare", "none"]
+    # One length keeps the test short; the sweep runs each length exactly as it runs this one.
+    argv += ["--sweep", "8", "--plot", str(tmp_path / "sweep.png"), "--json", str(tmp_path / "sweep.json")]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    assert "decode speed by prompt length" in stdout.getvalue()
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert [point["config"]["prompt_len"] for point in data["sweep"]] == [8]
+    assert all(set(point) >= {"machine", "engine"} and "transformers" not in point for point in data["sweep"])
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+        (["--sweep", "128,lots"], "--sweep takes comma-separated prompt lengths"),
+        (["--sweep", "128", "--prompt-len", "64"], "drop --prompt-len"),
+        (["--plot", "x.png"], "add --sweep"),
+        (["--prompt-len", "500", "--new-tokens", "100"], "exceeds the model's 512 positions"),
+    ],
+)
+def test_bad_values_are_one_clear_error(tiny_checkpoint, capsys, argv, message):
+    folder, _ = tiny_checkpoint("llama")
+    assert bench.main(["--checkpoint", str(folder), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_an_unknown_choice_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--compare", "vllm"])
+    assert exit.value.code == 2
+    assert "invalid choice: 'vllm'" in capsys.readouterr().err

@@ -1,0 +1,182 @@
+"""The evaluation harness (compression/evaluate.py) on tiny random checkpoints."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from compression import evaluate
+from compression.config import POLICIES, CompressionConfig
+from compression.eval_tasks import Row
+from engine.decode import prefill
+from engine.generation import generate
+from engine.kv_cache import KVCache
+from tiny_tokenizer import write_tiny_tokenizer
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny Llama checkpoint with the tiny tokenizer: what --model PATH expects."""
+    folder = tmp_path_factory.mktemp("eval_model")
+    shutil.copytree(tiny_checkpoint("llama")[0], folder, dirs_exist_ok=True)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_folder):
+    return load_model(tiny_folder, torch.float32, CPU)
+
+
+def random_batch(lengths=(7, 12, 9), length=60, free=(False, False, True), seed=0) -> evaluate.Batch:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n, is_free in zip(lengths, free):
+        prompt = torch.randint(3, 380, (n,), generator=g).tolist()
+        forced = [] if is_free else torch.randint(3, 380, (length,), generator=g).tolist()
+        rows.append(Row("continuation" if is_free else "text", prompt, forced))
+    return evaluate.Batch(rows, length)
+
+
+def small_config(folder: Path, budget: int = 10, **overrides) -> evaluate.EvalConfig:
+    fields = dict(
+        checkpoint=folder, policies=tuple(p for p in POLICIES if p != "none"), budgets=(budget,), hysteresis=4, window=4,
+        n_beacon=4, n_recent=4, aggregation="max", tasks=evaluate.TASKS, dtype="float32", out=Path("unused"), sizes=evaluate.QUICK,
+    )  # fmt: skip
+    return evaluate.EvalConfig(**(fields | overrides))
+
+
+def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
+    # The tiny tokenizer spends ~3x the tokens of a real one on a line: longer streams than --quick's.
+    code = evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join(POLICIES), "--length", "330", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost"):
+        assert title in out
+    assert (tmp_path / "results.md").read_text() + "\n" == out
+    assert (tmp_path / "quality_vs_budget.png").stat().st_size > 10_000
+    data = json.loads((tmp_path / "results.json").read_text())
+    budget = str(evaluate.QUICK_COMPRESSION[0][0])
+    for policy in POLICIES[1:]:
+        assert 0 <= data["retrieval"][policy][budget]["success"] <= 1
+        assert 0 <= data["attention"][policy][budget]["evictable"] <= 1
+        assert data["loss"][policy][budget]["n_tokens"] > 0
+        assert data["cost"][policy][budget]["tokens_per_s"] > 0
+    assert data["attention"]["none"][budget]["evictable"] == 1.0
+    # Every recalled value lies far beyond streaming's reach, and in the full cache.
+    assert set(data["retrieval"]["none"]["full"]["kept"]) == {1.0}
+    assert set(data["retrieval"]["streaming"][budget]["kept"]) == {0.0}
+    assert data["loss"]["none"][budget]["nll"] == data["loss"]["none"][budget]["nll_full"]
+
+
+def test_a_missing_packaged_model_names_the_command_that_makes_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(evaluate, "CHECKPOINTS", tmp_path)
+    assert evaluate.main(["--model", "qwen-coder", "--quick"]) == 2
+    assert "python -m weights.packaged qwen-coder" in capsys.readouterr().err
+
+
+def test_teacher_forcing_gives_the_log_probs_of_one_prefill_over_the_stream(tiny_folder, tiny_model):
+    model = tiny_model
+    batch = random_batch(free=(False, False, False))
+    state, _ = evaluate.run_from_start(model, batch, evaluate.recorder(small_config(tiny_folder), batch))
+    for b, row in enumerate(batch.rows):
+        sequence = row.prompt + row.forced
+        cache = KVCache.allocate(model.config, 1, len(sequence), torch.float32, CPU)
+        logits = prefill(model, cache, [sequence], all_logits=True)[0].log_softmax(-1)
+        P = len(row.prompt)
+        expected = logits[torch.arange(P - 1, len(sequence) - 1), torch.tensor(row.forced)]
+        torch.testing.assert_close(state.logprob[b], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["none", "beacon", "snapkv"])
+def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
+    model = tiny_model
+    batch = random_batch()
+    config = small_config(tiny_folder)
+    compression = evaluate.recorder(config, batch) if policy == "none" else config.compression(policy, 10)
+    state, compactions = evaluate.run_from_start(model, batch, compression)
+    alone = generate(model, [batch.prompts[2]], batch.length, frozenset(), compression=compression if policy != "none" else CompressionConfig())
+    assert state.predicted[2].tolist() == alone.tokens[0]
+    assert len(compactions) == (0 if policy == "none" else alone.compression.compactions)
+
+
+def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tiny_folder, tiny_model):
+    model = tiny_model
+    batch = random_batch()
+    config = small_config(tiny_folder, policies=("beacon", "rpc", "tova"))
+    runs = evaluate.run_all(model, batch, config, lambda budget, runs: None)
+    for policy in config.policies:
+        state, compactions = evaluate.run_from_start(model, batch, config.compression(policy, 10))
+        resumed = runs[(policy, 10)]
+        assert resumed.predicted.tolist() == state.predicted.tolist()
+        torch.testing.assert_close(resumed.logprob, state.logprob, atol=1e-5, rtol=0)
+        assert [c.step for c in resumed.compactions] == [c.step for c in compactions]
+        assert all(torch.equal(a.kept, b.kept) for a, b in zip(resumed.compactions, compactions))
+
+
+def brute_force_share(q_pre, keys, cos, sin, position, kept, region, G) -> float:
+    """One query (pre-RoPE, at `position`) of one head against one KV head's keys, with scalars."""
+    D = q_pre.shape[0]
+    half = D // 2
+    q = [q_pre[i] * cos[position, i] + (-q_pre[i + half] if i < half else q_pre[i - half]) * sin[position, i] for i in range(D)]
+    weights = [math.exp(sum(q[i] * keys[j, i] for i in range(D)) / math.sqrt(D)) if j <= position else 0.0 for j in range(keys.shape[0])]
+    total = sum(w for j, w in enumerate(weights) if region[j])
+    return sum(w for j, w in enumerate(weights) if region[j] and kept[j]) / total
+
+
+def test_future_attention_recall_matches_brute_force_and_is_one_for_the_full_cache():
+    torch.manual_seed(3)
+    L, B, H, H_kv, P, D, K = 2, 2, 4, 2, 14, 4, 2
+    G = H // H_kv
+    angles = torch.arange(P)[:, None] * torch.rand(D // 2)[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    full = evaluate.FullAttention(torch.randn(L, B, H, P, D), torch.randn(L, B, H_kv, P, D), cos, sin, torch.tensor([P, P - 1]))
+    prompt_lengths, window = torch.tensor([2, 3]), 2
+    next_position = torch.tensor([9, 10])
+    kept = torch.rand(L, B, H_kv, P) < 0.5
+    got = evaluate.future_attention_recall(full, [evaluate.Compaction(5, next_position, kept)], [0, 1], prompt_lengths, window, K)
+
+    context, evictable = [], []
+    for l in range(L):
+        for b in range(B):
+            p = int(next_position[b])
+            old = [j < p for j in range(P)]
+            middle = [int(prompt_lengths[b]) <= j < p - window for j in range(P)]
+            for h in range(H):
+                for k in range(K):
+                    args = (full.queries[l, b, h, :, :][p + k].tolist(), full.keys[l, b, h // G], cos, sin, p + k, kept[l, b, h // G].tolist())
+                    context.append(brute_force_share(torch.tensor(args[0]), *args[1:], old, G))
+                    evictable.append(brute_force_share(torch.tensor(args[0]), *args[1:], middle, G))
+    assert got.context == pytest.approx(sum(context) / len(context), abs=1e-5)
+    assert got.evictable == pytest.approx(sum(evictable) / len(evictable), abs=1e-5)
+    assert got.n_compactions == 1
+
+    everything = evaluate.full_cache_compactions([evaluate.Compaction(5, next_position, kept)])
+    assert evaluate.future_attention_recall(full, everything, [0, 1], prompt_lengths, window, K) == evaluate.RecallShares(1.0, 1.0, 1)
+    # A compaction too close to the end of a stream (fewer than K queries follow) is left out.
+    late = evaluate.Compaction(5, torch.tensor([9, P - 2]), kept)
+    assert evaluate.future_attention_recall(full, [late], [0, 1], prompt_lengths, window, K).n_compactions == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_each_compaction_keeps_the_prompt_the_window_and_budget_more_positions(tiny_folder, tiny_model, policy):
+    model = tiny_model
+    batch = random_batch(free=(False, True, False))
+    config = small_config(tiny_folder)
+    _, compactions = evaluate.run_from_start(model, batch, config.compression(policy, 10))
+    assert [c.step for c in compactions] == list(range(config.first_compaction(10), batch.length, config.hysteresis + 1))
+    for c in compactions:
+        for b, prompt in enumerate(batch.prompts):
+            now = int(c.next_position[b])
+            kept = c.kept[:, b]  # [L, H_kv, P]
+            assert kept[..., : len(prompt)].all() and kept[..., now - config.window : now].all()
+            assert not kept[..., now:].any()
+            assert (kept.sum(-1) == len(prompt) + 10 + config.window).all()
+            if policy == "streaming":  # the newest tokens, nothing else
+                assert kept[..., : now - config.window - 10].sum(-1).eq(len(prompt)).all()
