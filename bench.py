@@ -53,9 +53,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compression.config import CompressionConfig
 from engine.generation import generate
 from engine.memory import DecodeTraffic, decode_traffic, memory_high_water
-from generate import DTYPES, pick_device, pick_dtype
+from generate import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
 from models.errors import UserError
 from models.transformer import Transformer
 from weights.download import resolve_checkpoint
@@ -79,7 +80,7 @@ class Workload:
     trials: int
     compile: bool  # the engine's decode step only
     ceiling: bool
-    # A later --kv-policy adds the engine's CompressionConfig here.
+    compression: CompressionConfig  # the engine's KV policy; transformers always keeps the full cache
 
     @property
     def batch(self) -> int:
@@ -177,6 +178,7 @@ class Report:
                 "new_tokens": w.new_tokens,
                 "trials": w.trials,
                 "compile": w.compile,
+                "kv_policy": asdict(w.compression),
             },
             "traffic": {
                 "bytes_per_token": self.traffic.bytes_per_token,
@@ -296,7 +298,8 @@ def engine_worker(w: Workload) -> EngineRun:
         start = time.perf_counter()
         with torch.inference_mode():
             result = generate(
-                model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens, cuda_graph=w.device.type == "cuda"
+                model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
+                compression=w.compression, cuda_graph=w.device.type == "cuda",
             )
         return Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
 
@@ -504,6 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, metavar="OUT", help="write every figure to this JSON file")
     p.add_argument("--sweep", metavar="LENGTHS", help="comma-separated prompt lengths, e.g. 128,512,1024,2048: one benchmark each, and a plot")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="where --sweep draws decode tok/s against prompt length (default bench_sweep.png)")
+    p.add_argument("--seed", type=int, default=0, help="for the random KV policy")
+    add_compression_args(p)
     return p.parse_args(argv)
 
 
@@ -574,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         machine = describe_machine(device)
         reports = []
         for length in lengths:
-            w = Workload(checkpoint, dtype, device, random_prompts(config.vocab_size, batch, length), new_tokens, trials, args.compile, args.ceiling)
+            w = Workload(checkpoint, dtype, device, random_prompts(config.vocab_size, batch, length), new_tokens, trials, args.compile, args.ceiling, compression_config(args))
             reports.append(measure(w, config.model_type, machine, compare))
             print_report(reports[-1])
         if args.sweep is not None:

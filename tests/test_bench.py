@@ -123,3 +123,18 @@ def test_an_unknown_choice_is_refused_by_the_parser(capsys):
         bench.main(["--compare", "vllm"])
     assert exit.value.code == 2
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
+def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    out = tmp_path / "bench.json"
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--prompt-len", "16", "--new-tokens", "64", "--trials", "1", "--compare", "none"]
+    argv += ["--kv-policy", "beacon", "--kv-budget", "8", "--kv-hysteresis", "4", "--kv-window", "4", "--json", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    c = json.loads((folder / "config.json").read_text())
+    slots = 16 + 8 + 4 + 4 + 1  # prompt + budget + hysteresis + window + the step that triggers a compaction
+    kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * slots * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    assert data["config"]["kv_policy"]["policy"] == "beacon"
+    assert data["engine"]["kv_cache_mib"] * 2**20 == pytest.approx(kv_bytes)
