@@ -57,7 +57,7 @@ from compression.config import CompressionConfig
 from engine.generation import generate
 from engine.memory import DecodeTraffic, decode_traffic, memory_high_water
 from generate import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
-from models.errors import UserError
+from models.errors import UserError, run_command
 from models.transformer import Transformer
 from weights.download import resolve_checkpoint
 from weights.loader import load_model, read_config, stored_dtype
@@ -556,45 +556,42 @@ def default_checkpoint() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        batch = positive("--batch", args.batch)
-        trials = positive("--trials", args.trials)
-        new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
-        lengths = prompt_lengths(args)
-        compare = wants_transformers(args.compare)
-        plot = args.plot or Path("bench_sweep.png")
-        for out in (args.json, plot):
-            if out is not None and not out.parent.is_dir():
-                raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
-        device = pick_device(args.device)
-        checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
-        config = read_config(checkpoint)
-        dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
-        if lengths[-1] + new_tokens > config.max_position_embeddings:
-            raise UserError(
-                f"prompt of {lengths[-1]} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions; "
-                "use a shorter prompt or fewer --new-tokens"
-            )
+    return run_command(lambda: run(args))
 
-        machine = describe_machine(device)
-        reports = []
-        for length in lengths:
-            w = Workload(checkpoint, dtype, device, random_prompts(config.vocab_size, batch, length), new_tokens, trials, args.compile, args.ceiling, compression_config(args))
-            reports.append(measure(w, config.model_type, machine, compare))
-            print_report(reports[-1])
-        if args.sweep is not None:
-            print_sweep(reports)
-            plot_sweep(reports, plot)
-        if args.json is not None:
-            data = reports[0].to_json() if args.sweep is None else {"sweep": [r.to_json() for r in reports], "plot": str(plot)}
-            args.json.write_text(json.dumps(data, indent=2) + "\n")
-            progress(f"wrote {args.json}")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+
+def run(args: argparse.Namespace) -> None:
+    batch = positive("--batch", args.batch)
+    trials = positive("--trials", args.trials)
+    new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
+    lengths = prompt_lengths(args)
+    compare = wants_transformers(args.compare)
+    plot = args.plot or Path("bench_sweep.png")
+    for out in (args.json, plot):
+        if out is not None and not out.parent.is_dir():
+            raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    device = pick_device(args.device)
+    checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    config = read_config(checkpoint)
+    dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+    if lengths[-1] + new_tokens > config.max_position_embeddings:
+        raise UserError(
+            f"prompt of {lengths[-1]} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions; "
+            "use a shorter prompt or fewer --new-tokens"
+        )
+
+    machine = describe_machine(device)
+    reports = []
+    for length in lengths:
+        w = Workload(checkpoint, dtype, device, random_prompts(config.vocab_size, batch, length), new_tokens, trials, args.compile, args.ceiling, compression_config(args))
+        reports.append(measure(w, config.model_type, machine, compare))
+        print_report(reports[-1])
+    if args.sweep is not None:
+        print_sweep(reports)
+        plot_sweep(reports, plot)
+    if args.json is not None:
+        data = reports[0].to_json() if args.sweep is None else {"sweep": [r.to_json() for r in reports], "plot": str(plot)}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        progress(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

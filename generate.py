@@ -14,7 +14,7 @@ import torch
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.generation import GenerationResult, generate
 from engine.sampling import SamplingConfig
-from models.errors import UserError
+from models.errors import UserError, run_command
 from weights.download import resolve_checkpoint
 from weights.loader import load_model, stored_dtype
 from weights.packaged import smollm2_checkpoint
@@ -132,37 +132,34 @@ def summary(result: GenerationResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        compression = compression_config(args)
-        device = pick_device(args.device)
-        checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
-        tokenizer = Tokenizer.from_dir(checkpoint)
-        prompts = encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
-        model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device)
-        torch.manual_seed(args.seed)
+    return run_command(lambda: run(args))
 
-        stream = StreamDecoder(tokenizer) if len(prompts) == 1 else None
 
-        def print_tokens(tokens: list[int | None]) -> None:
-            if stream is not None and tokens[0] is not None:
-                print(stream.push(tokens[0]), end="", flush=True)
+def run(args: argparse.Namespace) -> None:
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    compression = compression_config(args)
+    device = pick_device(args.device)
+    checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    prompts = encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
+    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device)
+    torch.manual_seed(args.seed)
 
-        with torch.inference_mode():
-            cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-            result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression, cuda_graph)
-        if stream is not None:
-            print(stream.flush())
-        else:
-            # A batch is printed once it is complete, answers in prompt order, a blank line apart.
-            print("\n\n".join(tokenizer.decode(ids) for ids in result.tokens))
-        print(summary(result), file=sys.stderr)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    stream = StreamDecoder(tokenizer) if len(prompts) == 1 else None
+
+    def print_tokens(tokens: list[int | None]) -> None:
+        if stream is not None and tokens[0] is not None:
+            print(stream.push(tokens[0]), end="", flush=True)
+
+    with torch.inference_mode():
+        cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+        result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression, cuda_graph)
+    if stream is not None:
+        print(stream.flush(), flush=True)  # all of the answer before the summary, when both go to a terminal
+    else:
+        # A batch is printed once it is complete, answers in prompt order, a blank line apart.
+        print("\n\n".join(tokenizer.decode(ids) for ids in result.tokens), flush=True)
+    print(summary(result), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from models.errors import UserError
+from models.errors import UserError, run_command
 
 # Exactly what weights.loader and weights.tokenizer open. Not "*.safetensors": some repos also carry
 # a second copy of the weights (e.g. Mistral's consolidated.safetensors), which would double the download.
@@ -138,14 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--revision", help="branch, tag or commit (default: main)")
     p.add_argument("--dir", type=Path, help="download into this folder instead of the hub cache")
     args = p.parse_args(argv)
-    try:
-        print(download(args.repo_id, args.revision, args.dir))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_command(lambda: print(download(args.repo_id, args.revision, args.dir)))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.errors import UserError
+from models.errors import UserError, run_command
 from weights.loader import expected_shapes
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -455,14 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", type=Path, help="the checkpoint folder to create; it must not exist yet")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights (float32 keeps them exact)")
     args = p.parse_args(argv)
-    try:
-        print(import_gguf(args.gguf, args.out_dir, args.dtype))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_command(lambda: print(import_gguf(args.gguf, args.out_dir, args.dtype)))
 
 
 if __name__ == "__main__":

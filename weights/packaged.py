@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models.errors import UserError
+from models.errors import UserError, run_command
 from weights.gguf import CHECKPOINT_FILES, DTYPES, import_gguf
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -127,15 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", choices=["smollm2", "qwen-coder"])
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights (float32 keeps them exact)")
     args = p.parse_args(argv)
-    try:
-        get = smollm2_checkpoint if args.model == "smollm2" else qwen_coder_checkpoint
-        print(get(args.dtype))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    get = smollm2_checkpoint if args.model == "smollm2" else qwen_coder_checkpoint
+    return run_command(lambda: print(get(args.dtype)))
 
 
 if __name__ == "__main__":
