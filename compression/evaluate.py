@@ -622,7 +622,15 @@ def evaluate(config: EvalConfig) -> Results:
 
         log(f"{len(batch.rows)} rows ({len(traces)} traces, {len(text)} source chunks, {len(free)} free), {batch.length} tokens each")
         runs = run_all(model, batch, config, score_attention)
+    score(runs, batch, config, tokenizer, results)
+    results.seconds["total"] = time.perf_counter() - started
+    results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return results
 
+
+def score(runs: dict[tuple[str, int | None], Run], batch: Batch, config: EvalConfig, tokenizer: Tokenizer, results: Results) -> None:
+    """Tasks 1, 3, 4 and 5 from the runs."""
+    traces, text, free = batch.indices("trace"), batch.indices("text"), batch.indices("continuation")
     full = runs[("none", None)]
     results.put("cost", "none", None, cost(full, len(batch.rows)))
     if traces and "retrieval" in config.tasks:
@@ -643,9 +651,6 @@ def evaluate(config: EvalConfig) -> Results:
             if free and "continuation" in config.tasks:
                 results.put("continuation", policy, budget, continuation(run, full, free, after))
     results.samples = [tokenizer.decode(full.predicted[b].tolist()) for b in free]
-    results.seconds["total"] = time.perf_counter() - started
-    results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return results
 
 
 # ----------------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ def test_the_table_names_every_system_and_unit(report):
 
 
 def test_a_sweep_draws_its_plot(tiny_checkpoint, tmp_path):
+    pytest.importorskip("matplotlib")
     folder, _ = tiny_checkpoint("llama")
     argv = ["--checkpoint", str(folder), "--dtype", "float32", "--new-tokens", "4", "--trials", "1", "--compare", "none"]
     # One length keeps the test short; the sweep runs each length exactly as it runs this one.
@@ -114,8 +115,17 @@ def test_a_sweep_draws_its_plot(tiny_checkpoint, tmp_path):
 def test_bad_values_are_one_clear_error(tiny_checkpoint, capsys, argv, message):
     folder, _ = tiny_checkpoint("llama")
     assert bench.main(["--checkpoint", str(folder), *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    err = capsys.readouterr().err  # may start with the progress bar of the fixture writing the checkpoint
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last and "Traceback" not in err
+
+
+def test_a_sweep_without_matplotlib_says_how_to_get_it(tiny_checkpoint, capsys, monkeypatch):
+    folder, _ = tiny_checkpoint("llama")
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    assert bench.main(["--checkpoint", str(folder), "--sweep", "8,16"]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
 
 
 def test_an_unknown_choice_is_refused_by_the_parser(capsys):
