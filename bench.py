@@ -31,7 +31,8 @@ Two ceilings:
 
 Peak memory: on CPU the process's resident high-water mark, which includes Python, torch and, for
 the transformers systems, the transformers library (`before loading` shows that part); on CUDA,
-torch's peak allocation on the device.
+torch's peak allocation on the device. Loading a checkpoint stored in another dtype can set the
+peak (file pages and converted copies at once); `held after the trials` is the steady state.
 """
 
 import argparse
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 
 from compression.config import CompressionConfig
 from engine.generation import generate
-from engine.memory import DecodeTraffic, decode_traffic, memory_high_water
+from engine.memory import DecodeTraffic, decode_traffic, memory_high_water, memory_in_use
 from generate import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
 from models.errors import UserError, run_command
 from models.transformer import Transformer
@@ -65,6 +66,7 @@ from weights.loader import load_model, read_config, stored_dtype
 PROMPT_SEED = 0
 BANDWIDTH_BYTES = 1 << 30
 MIB = 2**20
+BUSY_WARNING_CORES = 0.2  # CPU taken by other processes beyond which the figures are flagged
 RATIO_KEYS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "peak_mem_mib")
 
 
@@ -103,8 +105,10 @@ class SystemRun:
     """One system's raw measurements, as its worker process returns them."""
 
     trials: list[Trial]
+    others_busy_cores: float | None  # CPU other processes took during the timed trials
     peak_mem_bytes: int
     base_mem_bytes: int  # the high-water mark before loading the model: interpreter and libraries
+    final_mem_bytes: int | None  # held after the trials: the model and whatever the runs keep
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class Machine:
     accelerator: str | None  # the GPU, when the run is on CUDA
     torch: str
     threads: int  # torch's intra-op threads; the worker processes inherit the same setting
-    busy_cores: float | None  # CPU other processes used in the second before the run, in cores (Linux)
+    others_busy_cores: float | None  # CPU other processes took in the second before the run
     read_gb_per_s: float
 
 
@@ -138,7 +142,9 @@ class Figures:
     matmul_ceiling_share: float | None  # decode_tok_s / machine.matmul_ceiling_tok_s
     peak_mem_mib: float
     base_mem_mib: float
+    final_mem_mib: float | None
     kv_cache_mib: float
+    others_busy_cores: float | None  # CPU other processes took during the timed trials: ~0 for a clean figure
     decode_tok_s_trials: list[float]
     ttft_s_trials: list[float]
 
@@ -235,26 +241,41 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """Cores' worth of CPU time used by others (steal included) while this process sleeps; None off Linux."""
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return None
+@dataclass(frozen=True)
+class CpuClock:
+    """CPU time of the whole machine and of this process: the difference of two readings tells how
+    much CPU other processes took in between. On a machine with few cores that matters a lot: torch's
+    threads meet at the end of every op, so one thread waiting for a busy core delays them all."""
 
-    def sample() -> tuple[int, int]:
+    busy_s: float  # all cores together (hypervisor steal included), since boot
+    elapsed_s: float  # since boot
+    own_s: float  # this process, all its threads
+
+    @classmethod
+    def read(cls) -> "CpuClock | None":
+        stat = Path("/proc/stat")
+        if not stat.is_file():  # not Linux: the figure is left out
+            return None
         user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.read_text().split()[1:9])
-        return user + nice + system + idle + iowait + irq + softirq + steal, idle + iowait
+        total = user + nice + system + idle + iowait + irq + softirq + steal
+        tick = os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return cls((total - idle - iowait) / tick, total / tick / (os.cpu_count() or 1), own.user + own.system)
 
-    total, idle = sample()
-    time.sleep(seconds)
-    total_after, idle_after = sample()
-    return (os.cpu_count() or 1) * (1 - (idle_after - idle) / max(total_after - total, 1))
+    @staticmethod
+    def others_between(before: "CpuClock | None", after: "CpuClock | None") -> float | None:
+        """Cores' worth of CPU taken by other processes between two readings."""
+        if before is None or after is None:
+            return None
+        others = (after.busy_s - before.busy_s) - (after.own_s - before.own_s)
+        return max(others, 0.0) / max(after.elapsed_s - before.elapsed_s, 1e-9)
 
 
 def describe_machine(device: torch.device) -> Machine:
-    busy = busy_cores()
-    if device.type == "cpu" and busy is not None and busy > 0.2:
-        # torch's threads meet at the end of every op, so one thread that waits for a busy core delays them all.
+    before = CpuClock.read()
+    time.sleep(1.0)
+    busy = CpuClock.others_between(before, CpuClock.read())
+    if busy is not None and busy > BUSY_WARNING_CORES:
         progress(f"warning: other processes use {busy:.1f} cores; they compete with this benchmark, whose figures will be low and noisy")
     progress("measuring the read bandwidth")
     accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -273,14 +294,16 @@ def in_fresh_process(name: str, work: Callable[..., Any], *args: Any) -> Any:
             raise UserError(f"the {name} benchmark process died before it finished (out of memory?): {e}") from e
 
 
-def run_trials(name: str, trials: int, measure: Callable[[], Trial]) -> list[Trial]:
+def run_trials(name: str, trials: int, measure: Callable[[], Trial]) -> tuple[list[Trial], float | None]:
+    """The trials after one warm-up run, and the CPU other processes took meanwhile (in cores)."""
     progress(f"{name}: warm-up run")
     measure()
     done = []
+    start = CpuClock.read()
     for i in range(trials):
         done.append(measure())
         progress(f"{name}: trial {i + 1}/{trials}: TTFT {done[-1].ttft_s:.4f} s, decode {done[-1].decode_tok_s:.1f} tok/s")
-    return done
+    return done, CpuClock.others_between(start, CpuClock.read())
 
 
 def engine_worker(w: Workload) -> EngineRun:
@@ -305,7 +328,7 @@ def engine_worker(w: Workload) -> EngineRun:
 
     if w.compile:
         progress("engine: the warm-up run compiles the decode step")
-    run = SystemRun(run_trials("engine", w.trials, measure), memory_high_water(w.device), base)
+    run = SystemRun(*run_trials("engine", w.trials, measure), memory_high_water(w.device), base, memory_in_use(w.device))
     ceiling = None
     if w.ceiling:
         progress("engine: timing the bare matrix products of a decode step")
@@ -359,7 +382,7 @@ def transformers_worker(w: Workload, static: bool) -> SystemRun:
         kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
         return Trial(t_1, (w.new_tokens - 1) * w.batch / (t_n - t_1), kv_bytes)
 
-    return SystemRun(run_trials(name, w.trials, measure), memory_high_water(w.device), base)
+    return SystemRun(*run_trials(name, w.trials, measure), memory_high_water(w.device), base, memory_in_use(w.device))
 
 
 # ---- one benchmark point: every system on one workload ----
@@ -378,7 +401,9 @@ def figures(run: SystemRun, w: Workload, traffic: DecodeTraffic, roofline_tok_s:
         matmul_ceiling_share=decode / matmul_tok_s if matmul_tok_s else None,
         peak_mem_mib=run.peak_mem_bytes / MIB,
         base_mem_mib=run.base_mem_bytes / MIB,
+        final_mem_mib=None if run.final_mem_bytes is None else run.final_mem_bytes / MIB,
         kv_cache_mib=run.trials[-1].kv_cache_bytes / MIB,
+        others_busy_cores=run.others_busy_cores,
         decode_tok_s_trials=[t.decode_tok_s for t in run.trials],
         ttft_s_trials=[t.ttft_s for t in run.trials],
     )
@@ -417,7 +442,9 @@ TABLE_ROWS: list[tuple[str, Callable[[Figures], str]]] = [
     ("bare-matmul ceiling share (%)", lambda f: percent(f.matmul_ceiling_share)),
     ("peak memory (MiB)", lambda f: number(f.peak_mem_mib)),
     ("  of which before loading (MiB)", lambda f: number(f.base_mem_mib)),
+    ("held after the trials (MiB)", lambda f: "-" if f.final_mem_mib is None else number(f.final_mem_mib)),
     ("KV cache (MiB)", lambda f: number(f.kv_cache_mib)),
+    ("others' CPU during trials (cores)", lambda f: "-" if f.others_busy_cores is None else f"{f.others_busy_cores:.2f}"),
 ]
 
 
@@ -431,7 +458,7 @@ def describe(r: Report) -> str:
     m, w, t = r.machine, r.workload, r.traffic
     device = m.accelerator or f"{m.cpu}, {m.cores} cores"
     matmul = f" | bare-matmul ceiling {number(r.matmul_ceiling_tok_s)} tok/s" if r.matmul_ceiling_tok_s else ""
-    busy = "" if m.busy_cores is None else f" | other processes at the start: {m.busy_cores:.2f} cores busy"
+    busy = "" if m.others_busy_cores is None else f" | others' CPU at the start: {m.others_busy_cores:.2f} cores"
     return "\n".join([
         f"machine: {device} | torch {m.torch}, {m.threads} threads | read bandwidth {number(m.read_gb_per_s)} GB/s{busy}",
         f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}"
@@ -451,6 +478,9 @@ def print_report(r: Report) -> None:
             f"{pair}: decode {ratio['decode_tok_s']:.2f}x (>1: engine faster), TTFT {ratio['ttft_s']:.2f}x (<1: engine faster), "
             f"peak memory {ratio['peak_mem_mib']:.2f}x"
         )
+    busiest = max((f.others_busy_cores or 0.0 for f in r.systems.values()), default=0.0)
+    if busiest > BUSY_WARNING_CORES:
+        print(f"warning: other processes took up to {busiest:.2f} cores during the timed trials: these figures understate the systems")
     print(flush=True)
 
 

@@ -53,7 +53,7 @@ from compression.manager import CompressionManager, CompressionStats
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
-from models.errors import UserError
+from models.errors import UserError, run_command
 from models.transformer import Transformer, apply_rope
 from weights.loader import load_model
 from weights.packaged import CHECKPOINTS, QWEN_CODER_NAME, SMOLLM2_NAME
@@ -357,9 +357,9 @@ def run_from_start(model: Transformer, batch: Batch, compression: CompressionCon
     return state, compactions
 
 
-def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_budget: Callable[[int, dict[str, Run]], None]) -> dict[tuple[str, int | None], Run]:
-    """The full cache once, then every policy at every budget resumed from its snapshot;
-    on_budget(budget, {policy: run}) after each budget."""
+def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_runs: Callable[[int | None, dict[str, Run]], None]) -> dict[tuple[str, int | None], Run]:
+    """The full cache once, then every policy at every budget resumed from its snapshot.
+    on_runs(None, {"none": run}) follows the full cache, on_runs(budget, {policy: run}) each budget."""
     n_steps = batch.length - 1
     firsts = {b: config.first_compaction(b) for b in config.budgets}
     state = start(model, batch, recorder(config, batch), batch.n_positions)
@@ -369,6 +369,7 @@ def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_budget: Cal
     full = Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0)
     log(f"  full cache: {seconds:.0f} s")
     runs: dict[tuple[str, int | None], Run] = {("none", None): full}
+    on_runs(None, {"none": full})
     for budget in config.budgets:
         for policy in config.policies:
             if firsts[budget] > n_steps:
@@ -380,7 +381,7 @@ def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_budget: Cal
             m = state.manager
             runs[(policy, budget)] = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes)
             log(f"  {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")
-        on_budget(budget, {p: runs[(p, budget)] for p in config.policies})
+        on_runs(budget, {p: runs[(p, budget)] for p in config.policies})
     return runs
 
 
@@ -592,7 +593,8 @@ def build_batch(tokenizer: Tokenizer, config: EvalConfig) -> Batch:
     return Batch(rows, s.length)
 
 
-def evaluate(config: EvalConfig) -> Results:
+def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None = None) -> Results:
+    """All tasks; on_progress(results so far) after the full cache and after each budget."""
     started = time.perf_counter()
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
@@ -601,56 +603,70 @@ def evaluate(config: EvalConfig) -> Results:
     if batch.n_positions > model.config.max_position_embeddings:
         raise UserError(f"the streams need {batch.n_positions} positions, the model has {model.config.max_position_embeddings}: lower --length")
     settings = asdict(config) | {"threads": torch.get_num_threads(), "rows": [r.kind for r in batch.rows], "recalls": sum(len(r.recalls) for r in batch.rows)}
-    results = Results(config.checkpoint.name, json.loads(json.dumps(settings, default=str)))
-    traces, text, free = batch.indices("trace"), batch.indices("text"), batch.indices("continuation")
+    results = Results(config.checkpoint.name, json.loads(json.dumps(settings, default=str)) | {"budgets_done": []})
     forced_rows = batch.indices("trace", "text")
-    prompt_lengths = torch.tensor([len(p) for p in batch.prompts])
-    K = config.sizes.future_queries
+    full_attention = None
     with torch.inference_mode():
-        full_attention = None
         if "attention" in config.tasks:
             log(f"full-cache attention of {len(forced_rows)} whole streams (offline prefill)")
             full_attention = FullAttention.of(model, [batch.rows[b].prompt + batch.rows[b].forced for b in forced_rows])
 
-        def score_attention(budget: int, runs: dict[str, Run]) -> None:
-            if full_attention is None:
-                return
-            for policy, run in runs.items():
-                results.put("attention", policy, budget, future_attention_recall(full_attention, run.compactions, forced_rows, prompt_lengths, config.window, K))
-            schedule = next((r.compactions for r in runs.values() if r.compactions), [])
-            results.put("attention", "none", budget, future_attention_recall(full_attention, full_cache_compactions(schedule), forced_rows, prompt_lengths, config.window, K))
+        full: Run | None = None
 
-        log(f"{len(batch.rows)} rows ({len(traces)} traces, {len(text)} source chunks, {len(free)} free), {batch.length} tokens each")
-        runs = run_all(model, batch, config, score_attention)
-    score(runs, batch, config, tokenizer, results)
-    results.seconds["total"] = time.perf_counter() - started
-    results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        def on_runs(budget: int | None, runs: dict[str, Run]) -> None:
+            nonlocal full
+            if budget is None:
+                full = runs["none"]
+                score(results, batch, config, tokenizer, full, None, {})
+            else:
+                score(results, batch, config, tokenizer, full, budget, runs)
+                if full_attention is not None:
+                    score_attention(results, full_attention, batch, config, budget, runs)
+                results.config["budgets_done"].append(budget)
+            results.seconds["total"] = time.perf_counter() - started
+            results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            if on_progress is not None:
+                on_progress(results)
+
+        kinds = [r.kind for r in batch.rows]
+        log(f"{len(kinds)} rows ({kinds.count('trace')} traces, {kinds.count('text')} source chunks, {kinds.count('continuation')} free), {batch.length} tokens each")
+        run_all(model, batch, config, on_runs)
     return results
 
 
-def score(runs: dict[tuple[str, int | None], Run], batch: Batch, config: EvalConfig, tokenizer: Tokenizer, results: Results) -> None:
-    """Tasks 1, 3, 4 and 5 from the runs."""
+def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokenizer, full: Run, budget: int | None, runs: dict[str, Run]) -> None:
+    """Tasks 1, 3, 4 and 5: the full cache's own numbers (budget None), or every policy's at a budget."""
     traces, text, free = batch.indices("trace"), batch.indices("text"), batch.indices("continuation")
-    full = runs[("none", None)]
-    results.put("cost", "none", None, cost(full, len(batch.rows)))
-    if traces and "retrieval" in config.tasks:
-        results.put("retrieval", "none", None, retrieval(full, batch, tokenizer))
-        if results.retrieval["none"]["full"].success < 0.5:
-            results.notes.append("the full cache recalls under half of the facts: the retrieval task says little about this model")
-    for budget in config.budgets:
-        after = min(config.first_compaction(budget) + 1, batch.length - 1)  # the first token a compaction can change
+    if budget is None:
+        results.put("cost", "none", None, cost(full, len(batch.rows)))
+        results.samples = [tokenizer.decode(full.predicted[b].tolist()) for b in free]
+        if traces and "retrieval" in config.tasks:
+            results.put("retrieval", "none", None, retrieval(full, batch, tokenizer))
+            if results.retrieval["none"]["full"].success < 0.5:
+                results.notes.append("the full cache recalls under half of the facts: the retrieval task says little about this model")
+        return
+    after = min(config.first_compaction(budget) + 1, batch.length - 1)  # the first token a compaction can change
+    if text and "loss" in config.tasks:
+        results.put("loss", "none", budget, streaming_loss(full, full, text, after))
+    for policy, run in runs.items():
+        results.put("cost", policy, budget, cost(run, len(batch.rows)))
+        if traces and "retrieval" in config.tasks:
+            results.put("retrieval", policy, budget, retrieval(run, batch, tokenizer))
         if text and "loss" in config.tasks:
-            results.put("loss", "none", budget, streaming_loss(full, full, text, after))
-        for policy in config.policies:
-            run = runs[(policy, budget)]
-            results.put("cost", policy, budget, cost(run, len(batch.rows)))
-            if traces and "retrieval" in config.tasks:
-                results.put("retrieval", policy, budget, retrieval(run, batch, tokenizer))
-            if text and "loss" in config.tasks:
-                results.put("loss", policy, budget, streaming_loss(run, full, text, after))
-            if free and "continuation" in config.tasks:
-                results.put("continuation", policy, budget, continuation(run, full, free, after))
-    results.samples = [tokenizer.decode(full.predicted[b].tolist()) for b in free]
+            results.put("loss", policy, budget, streaming_loss(run, full, text, after))
+        if free and "continuation" in config.tasks:
+            results.put("continuation", policy, budget, continuation(run, full, free, after))
+
+
+def score_attention(results: Results, full_attention: FullAttention, batch: Batch, config: EvalConfig, budget: int, runs: dict[str, Run]) -> None:
+    """Task 2 at one budget; the full cache is seen at the moments the policies compacted."""
+    rows = batch.indices("trace", "text")
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompts])
+    K = config.sizes.future_queries
+    for policy, run in runs.items():
+        results.put("attention", policy, budget, future_attention_recall(full_attention, run.compactions, rows, prompt_lengths, config.window, K))
+    schedule = next((r.compactions for r in runs.values() if r.compactions), [])
+    results.put("attention", "none", budget, future_attention_recall(full_attention, full_cache_compactions(schedule), rows, prompt_lengths, config.window, K))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,8 +761,10 @@ def markdown(results: Results) -> str:
         f"- budgets {c['budgets']}, hysteresis {c['hysteresis']}, window {c['window']}, n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c.get('aggregation', 'max')}; {c['dtype']}, torch threads: {c['threads']}",
         f"- one batch of {len(kinds)} rows, {s['length']} tokens after each prompt: {kinds.count('trace')} reasoning traces "
         f"({c['recalls']} recalls in all), {kinds.count('text')} chunks of Python source, {kinds.count('continuation')} free continuations; K = {s['future_queries']} future queries",
-        f"- wall time {results.seconds['total'] / 60:.1f} min, peak RSS {c['peak_rss_mib']:.0f} MiB",
+        f"- wall time {results.seconds.get('total', 0) / 60:.1f} min, peak RSS {c.get('peak_rss_mib', 0):.0f} MiB",
     ]
+    if c.get("budgets_done", c["budgets"]) != c["budgets"]:
+        lines.append(f"- **partial results**: budgets done so far {c['budgets_done']} (the run is still going, or was stopped)")
     lines += [f"- note: {n}" for n in results.notes]
     tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
     return "\n".join(lines) + "\n\n" + "\n".join(t for t in (table(results, task) for task in tasks) if t)
@@ -825,25 +843,20 @@ def write(results: Results, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        if argv is None:
-            argv = sys.argv[1:]
-        if argv[:1] == ["--report"]:  # python -m compression.evaluate --report docs/eval/results.json
-            if len(argv) != 2:
+    args = sys.argv[1:] if argv is None else argv
+
+    def body() -> None:
+        if args[:1] == ["--report"]:  # python -m compression.evaluate --report docs/eval/results.json
+            if len(args) != 2:
                 raise UserError("--report takes one results.json and nothing else")
-            print(write(read_results(Path(argv[1])), Path(argv[1]).parent))
-            return 0
-        config = parse_args(argv)
-        results = evaluate(config)
+            print(write(read_results(Path(args[1])), Path(args[1]).parent))
+            return
+        config = parse_args(args)
+        results = evaluate(config, on_progress=lambda partial: write(partial, config.out))
         print(write(results, config.out))
         log(f"wrote {config.out}/results.md, results.json and quality_vs_budget.png; {results.seconds['total'] / 60:.1f} min")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
 
+    return run_command(body)
 
 if __name__ == "__main__":
     sys.exit(main())

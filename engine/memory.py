@@ -58,9 +58,23 @@ def memory_high_water(device: torch.device) -> int:
     image; elsewhere ru_maxrss, which may carry over the spawning parent's)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    status = Path("/proc/self/status")
-    if status.is_file():
-        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024  # reported in kB
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def memory_in_use(device: torch.device) -> int | None:
+    """Bytes this process holds now: torch's allocation on CUDA, the resident set on CPU (None off Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return None
+    line = next(line for line in status.read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # reported in kB

@@ -53,7 +53,8 @@ def test_figures_agree_with_each_other(report):
         assert f["roofline_share"] == pytest.approx(f["decode_tok_s"] / machine["ceiling_tok_s"])
         assert f["matmul_ceiling_share"] == pytest.approx(f["decode_tok_s"] / machine["matmul_ceiling_tok_s"])
         assert f["decode_tok_s_trials"] == [f["decode_tok_s"]]  # one trial: the median is that trial
-        assert 0 < f["base_mem_mib"] <= f["peak_mem_mib"]
+        assert 0 < f["base_mem_mib"] <= f["peak_mem_mib"] and 0 < f["final_mem_mib"] <= f["peak_mem_mib"]
+        assert 0 <= f["others_busy_cores"] <= machine["cores"]
     for other in SYSTEMS[1:]:
         ratios = data["ratios"][f"engine/{other}"]
         for field in ("decode_tok_s", "ttft_s", "prefill_tok_s", "peak_mem_mib"):
