@@ -64,16 +64,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def scatter_bits_(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
-    """buffer.scatter_(dim, index, values), moving the values' bits as same-sized integers.
-
-    On CPU, scatter_ has no fast kernel for bfloat16/float16 and rewrites the whole buffer
-    (24 ms instead of 5 us for one layer's cache slot); integers take the fast path, exactly.
-    """
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[buffer.element_size()]
-    buffer.view(bits).scatter_(dim, index, values.to(buffer.dtype).view(bits))
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -91,8 +81,9 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, C]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [B, H_kv, S, D], written in place
-        v_cache: torch.Tensor,  # [B, H_kv, S, D], written in place
+        k_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
+        v_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
+        layer: int,
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor,  # [B, 1, T, S] True where a query may read a slot
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +101,14 @@ class Attention(nn.Module):
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
 
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
-        slots = write_slots[:, None, :, None].expand(B, H_kv, T, D)
-        scatter_bits_(k_cache, 2, slots, k)
-        scatter_bits_(v_cache, 2, slots, v)
+        # The write indexes the whole [L, ...] buffer with tensors, the layer included: written
+        # through a per-layer view (or with scatter_), torch.compile copied the whole cache
+        # at every step. Eager CPU has a fast index_put in every dtype.
+        layer_index = torch.full((1, 1), layer, device=x.device)  # [1, 1]
+        rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
+        k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
+        v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
+        k_cache, v_cache = k_cache[layer], v_cache[layer]  # [B, H_kv, S, D]
 
         if T == 1 and flash_decode_supported(k_cache):
             out = flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)  # [B, H, 1, D]
@@ -147,8 +143,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_slots, mask):
-        attended, queries = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, write_slots, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, layer, write_slots, mask):
+        attended, queries = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, layer, write_slots, mask)
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), queries
 
@@ -182,7 +178,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         queries = []
         for i, layer in enumerate(self.layers):
-            x, q = layer(x, cos, sin, k_cache[i], v_cache[i], write_slots, mask)
+            x, q = layer(x, cos, sin, k_cache, v_cache, i, write_slots, mask)
             queries.append(q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]

@@ -72,9 +72,9 @@ def test_bfloat16_logits_close_to_transformers_bfloat16(tiny_checkpoint):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cache_writes_move_the_exact_bits(dtype):
-    """The cache write goes through integer views (CPU scatter_ is ~1000x slower on 16-bit floats):
+    """Compaction moves slots through integer views (CPU scatter_ is ~1000x slower on 16-bit floats):
     each value must land in its slot bit for bit, -0.0 and NaN included."""
-    from models.transformer import scatter_bits_
+    from compression.compaction import scatter_bits_
 
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     buffer = torch.randn(2, 3, 10, 4).to(dtype)
