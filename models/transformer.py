@@ -15,6 +15,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
+from models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -71,8 +72,8 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
+        self.wqkv = Linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
+        self.wo = Linear(config.n_heads * config.head_dim, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -127,8 +128,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
@@ -156,7 +157,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -174,8 +175,9 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
         With return_queries, also every layer's queries before RoPE, [L, B, H, T, D]."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D]
         x = self.embed(tokens)
+        # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)  # [B, T, D]
         queries = []
         for i, layer in enumerate(self.layers):
             x, q = layer(x, cos, sin, k_cache, v_cache, i, write_slots, mask)

@@ -88,3 +88,21 @@ def test_cache_writes_move_the_exact_bits(dtype):
     index = torch.tensor(slots)[:, None, :, None].expand(2, 3, 2, 4)
     scatter_bits_(buffer, 2, index, values)
     assert torch.equal(buffer.view(bits), expected.view(bits))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_linear_is_the_exact_product_rounded_once(rows, dtype):
+    """Few rows take the 16-bit kernel; many rows may take float32 (CPUs without 16-bit matrix
+    instructions): either way the result is the exact product, rounded to the dtype."""
+    from models.linear import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(96, 40, bias=True).to(dtype)
+    x = torch.randn(2, rows, 96).to(dtype)
+    exact = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (2, rows, 40)
+    significand_bits = {torch.bfloat16: 8, torch.float16: 11}[dtype]
+    bound = exact.abs() * 2.0 ** (1 - significand_bits) + 1e-3  # one unit in the last place, and float32 summation
+    assert ((got.double() - exact).abs() <= bound).all()
