@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from compression.config import CompressionConfig
+from compression.manager import CompressionStats
 from engine.generation import generate
 from engine.memory import DecodeTraffic, decode_traffic, memory_high_water, memory_in_use
 from generate import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
@@ -112,10 +113,28 @@ class SystemRun:
 
 
 @dataclass(frozen=True)
+class CompressionCost:
+    """What the engine's KV policy cost in the last trial: medians per event, in milliseconds."""
+
+    compactions: int
+    compaction_ms: float | None
+    refreshes: int
+    refresh_ms: float | None  # BeaconKV's FPS refreshes of the beacon queries
+
+    @classmethod
+    def of(cls, stats: CompressionStats) -> "CompressionCost":
+        def median_ms(seconds: list[float]) -> float | None:
+            return statistics.median(seconds) * 1000 if seconds else None
+
+        return cls(stats.compactions, median_ms(stats.compaction_s), len(stats.refresh_s), median_ms(stats.refresh_s))
+
+
+@dataclass(frozen=True)
 class EngineRun:
     run: SystemRun
     traffic: DecodeTraffic
     matmul_ceiling_tok_s: float | None
+    compression: CompressionCost | None  # None without a KV policy
 
 
 @dataclass(frozen=True)
@@ -157,6 +176,7 @@ class Report:
     traffic: DecodeTraffic
     matmul_ceiling_tok_s: float | None
     systems: dict[str, Figures]  # "engine" first
+    compression: CompressionCost | None
 
     @property
     def ceiling_tok_s(self) -> float:
@@ -195,6 +215,7 @@ class Report:
             },
             **{name: asdict(figures) for name, figures in self.systems.items()},
             "ratios": self.ratios(),
+            "compression": None if self.compression is None else asdict(self.compression),
         }
 
 
@@ -311,6 +332,8 @@ def engine_worker(w: Workload) -> EngineRun:
     progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
     model = load_model(w.checkpoint, w.dtype, w.device)
 
+    stats: list[CompressionStats | None] = []
+
     def measure() -> Trial:
         first_token_at: list[float] = []
 
@@ -324,6 +347,7 @@ def engine_worker(w: Workload) -> EngineRun:
                 model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
                 compression=w.compression, cuda_graph=w.device.type == "cuda",
             )
+        stats.append(result.compression)
         return Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
 
     if w.compile:
@@ -333,7 +357,8 @@ def engine_worker(w: Workload) -> EngineRun:
     if w.ceiling:
         progress("engine: timing the bare matrix products of a decode step")
         ceiling = matmul_ceiling_tok_s(model, w.batch)
-    return EngineRun(run, decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling)
+    compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
+    return EngineRun(run, decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
 
 
 def matmul_ceiling_tok_s(model: Transformer, batch: int, steps: int = 20, warmup: int = 3) -> float:
@@ -417,7 +442,7 @@ def measure(w: Workload, model_type: str, machine: Machine, compare: bool) -> Re
         runs["transformers_static"] = in_fresh_process("transformers_static", transformers_worker, w, True)
     roofline = bandwidth_roofline(machine, engine.traffic)
     systems = {name: figures(run, w, engine.traffic, roofline, engine.matmul_ceiling_tok_s) for name, run in runs.items()}
-    return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, systems)
+    return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, systems, engine.compression)
 
 
 # ---- output ----
@@ -478,6 +503,13 @@ def print_report(r: Report) -> None:
             f"{pair}: decode {ratio['decode_tok_s']:.2f}x (>1: engine faster), TTFT {ratio['ttft_s']:.2f}x (<1: engine faster), "
             f"peak memory {ratio['peak_mem_mib']:.2f}x"
         )
+    c = r.compression
+    if c is not None:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1f} ms"
+
+        print(f"engine's KV policy in the last trial: {c.compactions} compactions ({ms(c.compaction_ms)} each, median), "
+              f"{c.refreshes} beacon refreshes ({ms(c.refresh_ms)} each)")
     busiest = max((f.others_busy_cores or 0.0 for f in r.systems.values()), default=0.0)
     if busiest > BUSY_WARNING_CORES:
         print(f"warning: other processes took up to {busiest:.2f} cores during the timed trials: these figures understate the systems")

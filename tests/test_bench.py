@@ -149,3 +149,7 @@ def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     kv_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * slots * (c["hidden_size"] // c["num_attention_heads"]) * 4
     assert data["config"]["kv_policy"]["policy"] == "beacon"
     assert data["engine"]["kv_cache_mib"] * 2**20 == pytest.approx(kv_bytes)
+    # 17 steps fill the 33 slots from the prompt's 16; each compaction frees 5 slots (33 -> 28).
+    cost = data["compression"]
+    assert cost["compactions"] == 1 + (63 - 17) // 5 and cost["compaction_ms"] > 0
+    assert cost["refreshes"] > 0 and cost["refresh_ms"] > 0
