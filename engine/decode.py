@@ -57,12 +57,21 @@ def decode_step(
     eos_ids: torch.Tensor,  # [E] int64
     sampling: SamplingConfig,
     compression: CompressionManager | None = None,
+    n_read: int | None = None,
 ) -> torch.Tensor:
     """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
-    The compression manager, if any, records this step's queries into its static buffer."""
+    The compression manager, if any, records this step's queries into its static buffer.
+
+    n_read: attend over the first n_read slots only, a bound the host knows (every row's length
+    + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
+    graph needs. Attention time grows with the slots read: bfloat16 SDPA over 2176 slots took
+    twice as long as over half of them."""
     slots = cache.length[:, None]  # [B, 1]
-    mask = (cache.slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
-    inputs = (tokens[:, None], cache.position[:, None], cache.k, cache.v, slots, mask)
+    k, v, slot_ids = cache.k, cache.v, cache.slot_ids
+    if n_read is not None:
+        k, v, slot_ids = k[:, :, :, :n_read], v[:, :, :, :n_read], slot_ids[:n_read]
+    mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
+    inputs = (tokens[:, None], cache.position[:, None], k, v, slots, mask)
     if compression is not None:
         logits, queries = model(*inputs, return_queries=True)
         compression.record(queries)

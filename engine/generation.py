@@ -85,6 +85,11 @@ def generate(
         state = [cache.length, cache.position, tokens, finished] + ([manager.query_slot] if manager else [])
         advance = capture_decode_step(advance, state)
 
+    # Eager, each step attends over the slots that can be in use, a bound the host knows: any
+    # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
+    # one compile. A compressed cache is small already, and its lengths shrink on the device.
+    bound_reads = not (compile or cuda_graph or manager is not None)
+    longest = max(len(p) for p in prompts)
     generated: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     steps = 0
@@ -102,7 +107,10 @@ def generate(
             on_tokens(emitted)
         if all(done) or steps + 1 == max_new_tokens:
             break
-        advance()
+        if bound_reads:
+            advance(n_read=longest + steps + 1)
+        else:
+            advance()
         if manager is not None:
             manager.after_step()
         steps += 1

@@ -77,3 +77,25 @@ def test_cuda_graph_on_a_cpu_model_is_refused(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
         generate(model, [[3, 4]], 4, eos_ids=frozenset(), cuda_graph=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reading_only_the_slots_in_use_gives_the_logits_of_the_whole_buffer(dtype, tiny_checkpoint):
+    """The eager loop attends over a bounded view of the cache; the compiled step over the whole buffer."""
+    from engine.decode import decode_step, prefill
+    from engine.kv_cache import KVCache
+
+    model = load_model(tiny_checkpoint("qwen2")[0], dtype, CPU)
+    prompts = prompts_of([9, 4, 14], seed=2)
+    runs = {}
+    for n_read in ("bounded", "whole"):
+        cache = KVCache.allocate(model.config, 3, 64, dtype, CPU)
+        tokens = prefill(model, cache, prompts).argmax(-1)
+        finished, eos = torch.zeros(3, dtype=torch.bool), torch.tensor([-1])
+        logits = []
+        for step in range(20):
+            bound = 14 + step + 1 if n_read == "bounded" else None
+            logits.append(decode_step(model, cache, tokens, finished, eos, SamplingConfig(), n_read=bound))
+        runs[n_read] = torch.stack(logits).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (runs["bounded"] - runs["whole"]).abs().max().item() <= tolerance * runs["whole"].abs().max().item()
