@@ -106,3 +106,14 @@ def test_16_bit_linear_is_the_exact_product_rounded_once(rows, dtype):
     significand_bits = {torch.bfloat16: 8, torch.float16: 11}[dtype]
     bound = exact.abs() * 2.0 ** (1 - significand_bits) + 1e-3  # one unit in the last place, and float32 summation
     assert ((got.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_are_laid_out_for_the_cpu_kernels_and_stay_tied(dtype, tiny_checkpoint):
+    """float32 on CPU: column-major (the faster batch-1 product); 16-bit: the checkpoint's row-major."""
+    model = load_model(tiny_checkpoint("llama_tied")[0], dtype, CPU)
+    assert model.config.tie_word_embeddings
+    assert model.embed.weight is model.lm_head.weight
+    for weight in (model.lm_head.weight, model.layers[0].attn.wqkv.weight, model.layers[0].mlp.w_down.weight):
+        assert weight.t().is_contiguous() == (dtype == torch.float32)
+        assert weight.is_contiguous() == (dtype != torch.float32)

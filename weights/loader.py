@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from models.config import ModelConfig
 from models.errors import UserError
+from models.linear import lay_out_for_cpu_float32
 from models.transformer import Transformer
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
@@ -134,6 +135,8 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Tr
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
         model = Transformer(config)
     model.load_state_dict(fuse(hf, config), assign=True, strict=True)
+    if dtype == torch.float32 and device.type == "cpu":
+        lay_out_for_cpu_float32(model)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
+        model.embed.weight = model.lm_head.weight  # one tensor, in the LM head's layout
     return model.to(device).requires_grad_(False).eval()
