@@ -1,6 +1,7 @@
 """The engine computes what transformers computes, on tiny random checkpoints of every architecture."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,20 @@ def test_weights_are_laid_out_for_the_cpu_kernels_and_stay_tied(dtype, tiny_chec
     for weight in (model.lm_head.weight, model.layers[0].attn.wqkv.weight, model.layers[0].mlp.w_down.weight):
         assert weight.t().is_contiguous() == (dtype == torch.float32)
         assert weight.is_contiguous() == (dtype != torch.float32)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_weight_lives_in_the_memory_mapped_checkpoint(dtype, tiny_checkpoint):
+    """A weight read straight from the mapped file keeps the file's pages in the process besides
+    the model's own copies (a float32 SmolLM2 held 1111 MiB instead of 623)."""
+    folder = tiny_checkpoint("qwen2")[0]
+    model = load_model(folder, dtype, CPU)
+    mapped = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5].startswith(str(folder)):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mapped.append((start, end))
+    for name, p in model.named_parameters():
+        assert not any(start <= p.data_ptr() < end for start, end in mapped), name

@@ -95,7 +95,7 @@ def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dty
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise UserError(f"tensor {name} in {path.name} has shape {list(shape)}, config.json implies {list(expected[name])}")
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
     missing = [name for name in expected if name not in tensors]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
