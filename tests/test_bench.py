@@ -89,7 +89,7 @@ def test_the_table_names_every_system_and_unit(report):
 def test_a_sweep_draws_its_plot(tiny_checkpoint, tmp_path):
     pytest.importorskip("matplotlib")
     folder, _ = tiny_checkpoint("llama")
-    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--new-tokens", "4", "--trials", "1", "--compare", "none"]
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--new-tokens", "4", "--trials", "1", "--compare", "none", "--no-compile"]
     # One length keeps the test short; the sweep runs each length exactly as it runs this one.
     argv += ["--sweep", "8", "--plot", str(tmp_path / "sweep.png"), "--json", str(tmp_path / "sweep.json")]
     stdout = io.StringIO()
@@ -139,7 +139,7 @@ def test_an_unknown_choice_is_refused_by_the_parser(capsys):
 def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     out = tmp_path / "bench.json"
-    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--prompt-len", "16", "--new-tokens", "64", "--trials", "1", "--compare", "none"]
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--prompt-len", "16", "--new-tokens", "64", "--trials", "1", "--compare", "none", "--no-compile"]
     argv += ["--kv-policy", "beacon", "--kv-budget", "8", "--kv-hysteresis", "4", "--kv-window", "4", "--json", str(out)]
     with contextlib.redirect_stdout(io.StringIO()):
         assert bench.main(argv) == 0
