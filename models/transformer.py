@@ -84,7 +84,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [B, T, D]
         k_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
         v_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
-        layer: int,
+        layer: int,  # this layer's index in the cache
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor,  # [B, 1, T, S] True where a query may read a slot
     ) -> tuple[torch.Tensor, torch.Tensor]:
