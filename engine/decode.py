@@ -32,9 +32,11 @@ def prefill(
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     steps = torch.arange(T, device=device)
     positions = steps.expand(B, T)
-    causal = steps[None, :, None] >= steps[None, None, :]  # [1, T, T] query i reads key j <= i
-    in_prompt = steps[None, None, :] < lengths[:, None, None]  # [B, 1, T] key j is a real token
-    mask = (causal & in_prompt).unsqueeze(1)  # [B, 1, T, T]
+    mask = None  # no padding: plain causal attention, which SDPA computes without a mask
+    if any(len(p) != T for p in prompts):
+        causal = steps[None, :, None] >= steps[None, None, :]  # [1, T, T] query i reads key j <= i
+        in_prompt = steps[None, None, :] < lengths[:, None, None]  # [B, 1, T] key j is a real token
+        mask = (causal & in_prompt).unsqueeze(1)  # [B, 1, T, T]
     # Only the first T slots can hold anything yet: attend over that view of the cache.
     k, v = cache.k[:, :, :, :T], cache.v[:, :, :, :T]
     logit_index = None if all_logits else lengths - 1

@@ -46,6 +46,16 @@ def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):
     assert compiled == eager
 
 
+def test_compiled_step_stays_right_across_workloads_in_one_process(tiny_checkpoint):
+    """After its first call the loop skips the compiled step's guards: each of several compiled
+    versions (other batch sizes, other cache sizes) must still be the one that runs."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    workloads = [(prompts_of([7, 19, 3], seed=4), 12), (prompts_of([11], seed=5), 30), (prompts_of([7, 19, 3], seed=4), 12)]
+    for prompts, new_tokens in workloads:
+        eager = generate(model, prompts, new_tokens, eos_ids=frozenset()).tokens
+        assert generate(model, prompts, new_tokens, eos_ids=frozenset(), compile=True).tokens == eager
+
+
 def test_seeded_sampling_reproduces_and_differs_across_seeds(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([10, 4], seed=3)

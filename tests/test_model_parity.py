@@ -31,6 +31,20 @@ def test_full_sequence_logits_equal_transformers(kind, tiny_checkpoint):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("lengths", [[50, 50], [50, 17, 33]])
+def test_batch_prefill_logits_equal_transformers_on_each_prompt(kind, lengths, tiny_checkpoint):
+    """Equal lengths take SDPA's causal kernel with grouped heads; ragged ones the padded mask."""
+    folder, hf = tiny_checkpoint(kind)
+    model = load_model(folder, torch.float32, CPU)
+    prompts = [random_prompt(n, seed=10 + row) for row, n in enumerate(lengths)]
+    cache = KVCache.allocate(model.config, len(prompts), max(lengths), torch.float32, CPU)
+    got = prefill(model, cache, prompts, all_logits=True)  # [B, T, V]
+    for row, prompt in enumerate(prompts):
+        expected = hf(torch.tensor([prompt])).logits[0]
+        assert (got[row, : len(prompt)] - expected).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_greedy_generation_equals_transformers_generate(kind, tiny_checkpoint):
     folder, hf = tiny_checkpoint(kind)
