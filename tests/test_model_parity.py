@@ -125,13 +125,18 @@ def test_16_bit_linear_is_the_exact_product_rounded_once(rows, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_are_laid_out_for_the_cpu_kernels_and_stay_tied(dtype, tiny_checkpoint):
-    """float32 on CPU: column-major (the faster batch-1 product); 16-bit: the checkpoint's row-major."""
+    """float32 on CPU: column-major where a matrix has more outputs than inputs (the faster
+    batch-1 product there), row-major elsewhere; 16-bit: the checkpoint's row-major everywhere."""
     model = load_model(tiny_checkpoint("llama_tied")[0], dtype, CPU)
     assert model.config.tie_word_embeddings
     assert model.embed.weight is model.lm_head.weight
-    for weight in (model.lm_head.weight, model.layers[0].attn.wqkv.weight, model.layers[0].mlp.w_down.weight):
-        assert weight.t().is_contiguous() == (dtype == torch.float32)
-        assert weight.is_contiguous() == (dtype != torch.float32)
+    layer = model.layers[0]
+    expected_column_major = {"lm_head": True, "wqkv": True, "w_gate_up": True, "wo": False, "w_down": False}  # 400x64 128x64 320x64 64x64 64x160
+    linears = {"lm_head": model.lm_head, "wqkv": layer.attn.wqkv, "w_gate_up": layer.mlp.w_gate_up, "wo": layer.attn.wo, "w_down": layer.mlp.w_down}
+    for name, linear in linears.items():
+        column_major = expected_column_major[name] and dtype == torch.float32
+        assert linear.weight.t().is_contiguous() == column_major, name
+        assert linear.weight.is_contiguous() == (not column_major), name
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
