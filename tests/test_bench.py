@@ -136,6 +136,15 @@ def test_an_unknown_choice_is_refused_by_the_parser(capsys):
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
 
 
+def test_help_lists_every_option(capsys):
+    """argparse formats help texts with %: a stray percent sign breaks --help with a traceback."""
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--help"])
+    assert exit.value.code == 0
+    shown = capsys.readouterr().out
+    assert all(option in shown for option in ("--compile", "--ceiling", "--kv-policy", "--sweep", "16% more"))
+
+
 def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     folder, _ = tiny_checkpoint("llama")
     out = tmp_path / "bench.json"
