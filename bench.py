@@ -8,7 +8,10 @@ The prompt is --batch rows of --prompt-len random token ids (seeded, the same fo
 No EOS stops a run: every run makes exactly --new-tokens tokens per row. Each figure is the median
 over --trials runs that follow one warm-up run. The table goes to stdout, progress to stderr.
 
-Systems, each measured in a fresh process of its own, so that its peak memory is its own:
+Systems, each in a fresh process of its own, so that its peak memory is its own. They load and warm
+up one after the other, then take their trials in turn (one trial of each per round, a different
+one first each round), so that the machine's drift over minutes falls on all of them alike; all
+of them hold their model meanwhile:
 - engine: engine.generation.generate. TTFT is the time from the call to the first token on the host
   (cache allocation, prefill, and on CUDA the graph capture); decode tok/s = batch * decode steps /
   its decode time, which excludes all of that.
@@ -43,11 +46,11 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +106,10 @@ class Trial:
 
 @dataclass(frozen=True)
 class SystemRun:
-    """One system's raw measurements, as its worker process returns them."""
+    """One system's raw measurements: its trials, and its worker process's memory figures."""
 
     trials: list[Trial]
-    others_busy_cores: float | None  # CPU other processes took during the timed trials
+    others_busy_cores: float | None  # the most CPU other processes took during one of the timed trials
     peak_mem_bytes: int
     base_mem_bytes: int  # the high-water mark before loading the model: interpreter and libraries
     final_mem_bytes: int | None  # held after the trials: the model and whatever the runs keep
@@ -130,8 +133,9 @@ class CompressionCost:
 
 
 @dataclass(frozen=True)
-class EngineRun:
-    run: SystemRun
+class EngineExtras:
+    """What the engine's worker reports besides its trials."""
+
     traffic: DecodeTraffic
     matmul_ceiling_tok_s: float | None
     compression: CompressionCost | None  # None without a KV policy
@@ -163,7 +167,7 @@ class Figures:
     base_mem_mib: float
     final_mem_mib: float | None
     kv_cache_mib: float
-    others_busy_cores: float | None  # CPU other processes took during the timed trials: ~0 for a clean figure
+    others_busy_cores: float | None  # the most CPU other processes took during one timed trial: ~0 for a clean figure
     decode_tok_s_trials: list[float]
     ttft_s_trials: list[float]
 
@@ -303,35 +307,121 @@ def describe_machine(device: torch.device) -> Machine:
     return Machine(cpu_model(), os.cpu_count() or 1, accelerator, torch.__version__, torch.get_num_threads(), busy, read_bandwidth_gb_s(device))
 
 
-# ---- the worker processes: one system each ----
+# ---- the systems: each in a process of its own, their trials taken in turn ----
 
 
-def in_fresh_process(name: str, work: Callable[..., Any], *args: Any) -> Any:
-    """work(*args) in a new Python process, so that its memory high-water mark is its own."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+@dataclass(frozen=True)
+class Loaded:
+    """A system ready to be timed, inside its worker process: model loaded, warm-up run done."""
+
+    measure: Callable[[], Trial]  # one timed run
+    finish: Callable[[], Any]  # what the parent needs besides the trials, asked for after the last one
+
+
+@dataclass(frozen=True)
+class Finished:
+    peak_mem_bytes: int
+    base_mem_bytes: int
+    final_mem_bytes: int | None
+    extra: Any  # Loaded.finish's answer
+
+
+def serve(connection: Connection, load: Callable[..., Loaded], w: Workload, *args: Any) -> None:
+    """A worker process's whole life: load and warm up, then one trial per request from the
+    parent, then the memory figures and whatever the system adds. Failures go to the parent."""
+    try:
+        base = memory_high_water(w.device)
+        system = load(w, *args)
+        connection.send(("ready", None))
+        while connection.recv() == "trial":
+            before = CpuClock.read()
+            trial = system.measure()
+            connection.send(("trial", (trial, CpuClock.others_between(before, CpuClock.read()))))
+        extra = system.finish()
+        connection.send(("done", Finished(memory_high_water(w.device), base, memory_in_use(w.device), extra)))
+    except UserError as e:
+        connection.send(("user error", str(e)))
+    except Exception:
+        connection.send(("error", traceback.format_exc()))
+
+
+class Worker:
+    """One system in a spawned Python process of its own, so that its memory high-water mark is its
+    own; it runs one trial whenever asked, and sits idle (no CPU) in between."""
+
+    def __init__(self, name: str, load: Callable[..., Loaded], w: Workload, *args: Any):
+        self.name = name
+        context = get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=serve, args=(child, load, w, *args), daemon=True)
+        self.process.start()
+        child.close()
         try:
-            return pool.submit(work, *args).result()
-        except BrokenProcessPool as e:
-            raise UserError(f"the {name} benchmark process died before it finished (out of memory?): {e}") from e
+            self.receive()  # loaded and warmed up
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self) -> Any:
+        try:
+            kind, value = self.connection.recv()
+        except EOFError:
+            raise UserError(f"the {self.name} benchmark process died before it finished (out of memory?)") from None
+        if kind == "user error":
+            raise UserError(value)
+        if kind == "error":
+            raise RuntimeError(f"the {self.name} benchmark process failed:\n{value}")
+        return value
+
+    def trial(self) -> tuple[Trial, float | None]:
+        self.connection.send("trial")
+        return self.receive()
+
+    def finish(self) -> Finished:
+        self.connection.send("finish")
+        finished = self.receive()
+        self.process.join()
+        return finished
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.connection.close()
 
 
-def run_trials(name: str, trials: int, measure: Callable[[], Trial]) -> tuple[list[Trial], float | None]:
-    """The trials after one warm-up run, and the CPU other processes took meanwhile (in cores)."""
-    progress(f"{name}: warm-up run")
-    measure()
-    done = []
-    start = CpuClock.read()
-    for i in range(trials):
-        done.append(measure())
-        progress(f"{name}: trial {i + 1}/{trials}: TTFT {done[-1].ttft_s:.4f} s, decode {done[-1].decode_tok_s:.1f} tok/s")
-    return done, CpuClock.others_between(start, CpuClock.read())
+def timed_in_turn(w: Workload, systems: dict[str, tuple[Callable[..., Loaded], tuple[Any, ...]]]) -> dict[str, tuple[SystemRun, Any]]:
+    """Every system's trials, taken in turn: round i runs one trial of each, starting with the
+    i-th system. The machine's speed drifts by 10-20% over minutes here; taken in turn, that
+    drift falls on every system alike instead of on whichever ran last. The systems load and
+    warm up one after the other, never at the same time."""
+    workers: dict[str, Worker] = {}
+    try:
+        for name, (load, args) in systems.items():
+            workers[name] = Worker(name, load, w, *args)
+        names = list(workers)
+        done: dict[str, list[tuple[Trial, float | None]]] = {name: [] for name in names}
+        for i in range(w.trials):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                trial, others_busy = workers[name].trial()
+                done[name].append((trial, others_busy))
+                progress(f"{name}: trial {i + 1}/{w.trials}: TTFT {trial.ttft_s:.4f} s, decode {trial.decode_tok_s:.1f} tok/s")
+        runs = {}
+        for name, worker in workers.items():
+            finished = worker.finish()
+            busy = [others for _, others in done[name]]
+            most_busy = None if None in busy else max(busy)
+            run = SystemRun([t for t, _ in done[name]], most_busy, finished.peak_mem_bytes, finished.base_mem_bytes, finished.final_mem_bytes)
+            runs[name] = (run, finished.extra)
+        return runs
+    finally:
+        for worker in workers.values():
+            worker.close()
 
 
-def engine_worker(w: Workload) -> EngineRun:
-    base = memory_high_water(w.device)
+def load_engine(w: Workload) -> Loaded:
     progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
     model = load_model(w.checkpoint, w.dtype, w.device)
-
     stats: list[CompressionStats | None] = []
 
     def measure() -> Trial:
@@ -350,15 +440,17 @@ def engine_worker(w: Workload) -> EngineRun:
         stats.append(result.compression)
         return Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
 
-    if w.compile:
-        progress("engine: the warm-up run compiles the decode step")
-    run = SystemRun(*run_trials("engine", w.trials, measure), memory_high_water(w.device), base, memory_in_use(w.device))
-    ceiling = None
-    if w.ceiling:
-        progress("engine: timing the bare matrix products of a decode step")
-        ceiling = matmul_ceiling_tok_s(model, w.batch)
-    compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
-    return EngineRun(run, decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
+    def finish() -> EngineExtras:
+        ceiling = None
+        if w.ceiling:
+            progress("engine: timing the bare matrix products of a decode step")
+            ceiling = matmul_ceiling_tok_s(model, w.batch)
+        compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
+        return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
+
+    progress("engine: warm-up run" + (", which compiles the decode step" if w.compile else ""))
+    measure()
+    return Loaded(measure, finish)
 
 
 def matmul_ceiling_tok_s(model: Transformer, batch: int, steps: int = 20, warmup: int = 3) -> float:
@@ -381,12 +473,11 @@ def matmul_ceiling_tok_s(model: Transformer, batch: int, steps: int = 20, warmup
     return batch / statistics.median(times)
 
 
-def transformers_worker(w: Workload, static: bool) -> SystemRun:
+def load_transformers(w: Workload, static: bool) -> Loaded:
     import transformers  # only the transformers processes pay for importing it
 
     transformers.logging.set_verbosity_error()  # generation-config advice, not results
     name = "transformers_static" if static else "transformers"
-    base = memory_high_water(w.device)
     progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
     model = transformers.AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=w.dtype).to(w.device).eval()
     ids = torch.tensor(w.prompts, device=w.device)
@@ -407,7 +498,9 @@ def transformers_worker(w: Workload, static: bool) -> SystemRun:
         kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
         return Trial(t_1, (w.new_tokens - 1) * w.batch / (t_n - t_1), kv_bytes)
 
-    return SystemRun(*run_trials(name, w.trials, measure), memory_high_water(w.device), base, memory_in_use(w.device))
+    progress(f"{name}: warm-up run")
+    measure()
+    return Loaded(measure, lambda: None)
 
 
 # ---- one benchmark point: every system on one workload ----
@@ -435,14 +528,15 @@ def figures(run: SystemRun, w: Workload, traffic: DecodeTraffic, roofline_tok_s:
 
 
 def measure(w: Workload, model_type: str, machine: Machine, compare: bool) -> Report:
-    engine = in_fresh_process("engine", engine_worker, w)
-    runs = {"engine": engine.run}
+    systems: dict[str, tuple[Callable[..., Loaded], tuple[Any, ...]]] = {"engine": (load_engine, ())}
     if compare:
-        runs["transformers"] = in_fresh_process("transformers", transformers_worker, w, False)
-        runs["transformers_static"] = in_fresh_process("transformers_static", transformers_worker, w, True)
+        systems["transformers"] = (load_transformers, (False,))
+        systems["transformers_static"] = (load_transformers, (True,))
+    runs = timed_in_turn(w, systems)
+    engine: EngineExtras = runs["engine"][1]
     roofline = bandwidth_roofline(machine, engine.traffic)
-    systems = {name: figures(run, w, engine.traffic, roofline, engine.matmul_ceiling_tok_s) for name, run in runs.items()}
-    return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, systems, engine.compression)
+    figures_by_system = {name: figures(run, w, engine.traffic, roofline, engine.matmul_ceiling_tok_s) for name, (run, _) in runs.items()}
+    return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, figures_by_system, engine.compression)
 
 
 # ---- output ----
@@ -469,7 +563,7 @@ TABLE_ROWS: list[tuple[str, Callable[[Figures], str]]] = [
     ("  of which before loading (MiB)", lambda f: number(f.base_mem_mib)),
     ("held after the trials (MiB)", lambda f: "-" if f.final_mem_mib is None else number(f.final_mem_mib)),
     ("KV cache (MiB)", lambda f: number(f.kv_cache_mib)),
-    ("others' CPU during trials (cores)", lambda f: "-" if f.others_busy_cores is None else f"{f.others_busy_cores:.2f}"),
+    ("others' CPU, busiest trial (cores)", lambda f: "-" if f.others_busy_cores is None else f"{f.others_busy_cores:.2f}"),
 ]
 
 

@@ -7,10 +7,14 @@ import contextlib
 import io
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import bench
+from compression.config import CompressionConfig
 
 SYSTEMS = ("engine", "transformers", "transformers_static")
 FIELDS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "gb_per_s", "peak_mem_mib", "kv_cache_mib")
@@ -162,3 +166,32 @@ def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     cost = data["compression"]
     assert cost["compactions"] == 1 + (63 - 17) // 5 and cost["compaction_ms"] > 0
     assert cost["refreshes"] > 0 and cost["refresh_ms"] > 0
+
+
+def load_wall_clock(w: bench.Workload, fail: str | None = None) -> bench.Loaded:
+    """A stand-in system whose every trial reports the wall-clock time it ran at, as its TTFT."""
+    if fail == "user":
+        raise bench.UserError("no such checkpoint")
+    if fail == "bug":
+        raise ValueError("a bug in the loader")
+    return bench.Loaded(lambda: bench.Trial(time.time(), 1.0, 1), lambda: "extra")
+
+
+def workload(trials: int) -> bench.Workload:
+    return bench.Workload(Path("."), torch.float32, torch.device("cpu"), [[1]], 2, trials, False, False, CompressionConfig())
+
+
+def test_the_systems_take_their_trials_in_turn():
+    """Round i runs one trial of each system, the i-th first: drift over minutes falls on every system alike."""
+    systems = {name: (load_wall_clock, ()) for name in ("a", "b", "c")}
+    runs = bench.timed_in_turn(workload(4), systems)
+    ran_at = sorted((trial.ttft_s, name) for name, (run, _) in runs.items() for trial in run.trials)
+    assert [name for _, name in ran_at] == list("abc" "bca" "cab" "abc")
+    assert all(extra == "extra" and len(run.trials) == 4 for run, extra in runs.values())
+
+
+@pytest.mark.parametrize("fail, error, message", [("user", bench.UserError, "no such checkpoint"), ("bug", RuntimeError, "ValueError: a bug in the loader")])
+def test_a_failing_system_stops_the_benchmark_with_its_error(fail, error, message):
+    systems = {"fine": (load_wall_clock, ()), "broken": (load_wall_clock, (fail,))}
+    with pytest.raises(error, match=message):
+        bench.timed_in_turn(workload(1), systems)
