@@ -31,6 +31,7 @@ Two ceilings:
 - the bare-matmul ceiling (--ceiling; machine.matmul_ceiling_tok_s): the decode step's matrix
   products alone (per layer fused qkv, o, fused gate/up, down; then the LM head), with the loaded
   weights, batch rows, no attention and nothing else: the speed if everything but those kernels were free.
+  It is timed right after each of the engine's trials (20 steps each), and its median reported.
 
 Peak memory: on CPU the process's resident high-water mark, which includes Python, torch and, for
 the transformers systems, the transformers library (`before loading` shows that part); on CUDA,
@@ -423,6 +424,7 @@ def load_engine(w: Workload) -> Loaded:
     progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
     model = load_model(w.checkpoint, w.dtype, w.device)
     stats: list[CompressionStats | None] = []
+    ceilings: list[float] = []
 
     def measure() -> Trial:
         first_token_at: list[float] = []
@@ -438,13 +440,13 @@ def load_engine(w: Workload) -> Loaded:
                 compression=w.compression, cuda_graph=w.device.type == "cuda",
             )
         stats.append(result.compression)
-        return Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
+        trial = Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
+        if w.ceiling:  # right after each trial, so that the share compares figures taken together
+            ceilings.append(matmul_ceiling_tok_s(model, w.batch))
+        return trial
 
     def finish() -> EngineExtras:
-        ceiling = None
-        if w.ceiling:
-            progress("engine: timing the bare matrix products of a decode step")
-            ceiling = matmul_ceiling_tok_s(model, w.batch)
+        ceiling = statistics.median(ceilings[1:]) if w.ceiling else None  # the warm-up's is left out, as its trial is
         compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
         return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
 
