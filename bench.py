@@ -31,7 +31,7 @@ Two ceilings:
 - the bare-matmul ceiling (--ceiling; machine.matmul_ceiling_tok_s): the decode step's matrix
   products alone (per layer fused qkv, o, fused gate/up, down; then the LM head), with the loaded
   weights, batch rows, no attention and nothing else: the speed if everything but those kernels were free.
-  It is timed right after each of the engine's trials (20 steps each), and its median reported.
+  It is timed right after each of the engine's trials, and its median reported.
 
 Peak memory: on CPU the process's resident high-water mark, which includes Python, torch and, for
 the transformers systems, the transformers library (`before loading` shows that part); on CUDA,
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -316,7 +316,10 @@ class Loaded:
     """A system ready to be timed, inside its worker process: model loaded, warm-up run done."""
 
     measure: Callable[[], Trial]  # one timed run
-    finish: Callable[[], Any]  # what the parent needs besides the trials, asked for after the last one
+    extras: Callable[[], Any]  # what the parent needs besides the trials, asked for after the last one
+
+
+System = tuple[Callable[..., Loaded], tuple[Any, ...]]  # a loader, and its arguments after the workload
 
 
 @dataclass(frozen=True)
@@ -324,22 +327,25 @@ class Finished:
     peak_mem_bytes: int
     base_mem_bytes: int
     final_mem_bytes: int | None
-    extra: Any  # Loaded.finish's answer
+    extras: Any  # Loaded.extras's answer
 
 
 def serve(connection: Connection, load: Callable[..., Loaded], w: Workload, *args: Any) -> None:
     """A worker process's whole life: load and warm up, then one trial per request from the
-    parent, then the memory figures and whatever the system adds. Failures go to the parent."""
+    parent, then the memory figures and the system's extras. Every answer is ("ok", value) or
+    the failure, which the parent raises."""
     try:
         base = memory_high_water(w.device)
         system = load(w, *args)
-        connection.send(("ready", None))
+        connection.send(("ok", None))
         while connection.recv() == "trial":
             before = CpuClock.read()
             trial = system.measure()
-            connection.send(("trial", (trial, CpuClock.others_between(before, CpuClock.read()))))
-        extra = system.finish()
-        connection.send(("done", Finished(memory_high_water(w.device), base, memory_in_use(w.device), extra)))
+            connection.send(("ok", (trial, CpuClock.others_between(before, CpuClock.read()))))
+        extras = system.extras()
+        connection.send(("ok", Finished(memory_high_water(w.device), base, memory_in_use(w.device), extras)))
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):  # Ctrl-C, or the parent is gone: it reports
+        return
     except UserError as e:
         connection.send(("user error", str(e)))
     except Exception:
@@ -348,13 +354,13 @@ def serve(connection: Connection, load: Callable[..., Loaded], w: Workload, *arg
 
 class Worker:
     """One system in a spawned Python process of its own, so that its memory high-water mark is its
-    own; it runs one trial whenever asked, and sits idle (no CPU) in between."""
+    own; it runs one trial whenever asked, and waits on its pipe in between."""
 
     def __init__(self, name: str, load: Callable[..., Loaded], w: Workload, *args: Any):
         self.name = name
         context = get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=serve, args=(child, load, w, *args), daemon=True)
+        self.process = context.Process(target=serve, args=(child, load, w, *args))
         self.process.start()
         child.close()
         try:
@@ -363,39 +369,47 @@ class Worker:
             self.close()
             raise
 
+    def ask(self, request: str) -> Any:
+        try:
+            self.connection.send(request)
+        except OSError:
+            self.raise_died()
+        return self.receive()
+
     def receive(self) -> Any:
         try:
             kind, value = self.connection.recv()
-        except EOFError:
-            raise UserError(f"the {self.name} benchmark process died before it finished (out of memory?)") from None
+        except (EOFError, OSError):
+            self.raise_died()
         if kind == "user error":
             raise UserError(value)
         if kind == "error":
             raise RuntimeError(f"the {self.name} benchmark process failed:\n{value}")
         return value
 
+    def raise_died(self) -> NoReturn:
+        raise UserError(f"the {self.name} benchmark process died before it finished (out of memory?)") from None
+
     def trial(self) -> tuple[Trial, float | None]:
-        self.connection.send("trial")
-        return self.receive()
+        return self.ask("trial")
 
     def finish(self) -> Finished:
-        self.connection.send("finish")
-        finished = self.receive()
-        self.process.join()
-        return finished
+        return self.ask("finish")
 
     def close(self) -> None:
+        """Let the process end by itself (its pipe closes, so it stops waiting), else end it."""
+        self.connection.close()
+        self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.connection.close()
 
 
-def timed_in_turn(w: Workload, systems: dict[str, tuple[Callable[..., Loaded], tuple[Any, ...]]]) -> dict[str, tuple[SystemRun, Any]]:
+def timed_in_turn(w: Workload, systems: dict[str, System]) -> dict[str, tuple[SystemRun, Any]]:
     """Every system's trials, taken in turn: round i runs one trial of each, starting with the
     i-th system. The machine's speed drifts by 10-20% over minutes here; taken in turn, that
     drift falls on every system alike instead of on whichever ran last. The systems load and
-    warm up one after the other, never at the same time."""
+    warm up one after the other, never at the same time. Returns each system's run and extras."""
     workers: dict[str, Worker] = {}
     try:
         for name, (load, args) in systems.items():
@@ -413,7 +427,7 @@ def timed_in_turn(w: Workload, systems: dict[str, tuple[Callable[..., Loaded], t
             busy = [others for _, others in done[name]]
             most_busy = None if None in busy else max(busy)
             run = SystemRun([t for t, _ in done[name]], most_busy, finished.peak_mem_bytes, finished.base_mem_bytes, finished.final_mem_bytes)
-            runs[name] = (run, finished.extra)
+            runs[name] = (run, finished.extras)
         return runs
     finally:
         for worker in workers.values():
@@ -445,14 +459,14 @@ def load_engine(w: Workload) -> Loaded:
             ceilings.append(matmul_ceiling_tok_s(model, w.batch))
         return trial
 
-    def finish() -> EngineExtras:
+    def extras() -> EngineExtras:
         ceiling = statistics.median(ceilings[1:]) if w.ceiling else None  # the warm-up's is left out, as its trial is
         compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
         return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
 
     progress("engine: warm-up run" + (", which compiles the decode step" if w.compile else ""))
     measure()
-    return Loaded(measure, finish)
+    return Loaded(measure, extras)
 
 
 def matmul_ceiling_tok_s(model: Transformer, batch: int, steps: int = 20, warmup: int = 3) -> float:
@@ -530,12 +544,12 @@ def figures(run: SystemRun, w: Workload, traffic: DecodeTraffic, roofline_tok_s:
 
 
 def measure(w: Workload, model_type: str, machine: Machine, compare: bool) -> Report:
-    systems: dict[str, tuple[Callable[..., Loaded], tuple[Any, ...]]] = {"engine": (load_engine, ())}
+    systems: dict[str, System] = {"engine": (load_engine, ())}
     if compare:
         systems["transformers"] = (load_transformers, (False,))
         systems["transformers_static"] = (load_transformers, (True,))
     runs = timed_in_turn(w, systems)
-    engine: EngineExtras = runs["engine"][1]
+    _, engine = runs["engine"]
     roofline = bandwidth_roofline(machine, engine.traffic)
     figures_by_system = {name: figures(run, w, engine.traffic, roofline, engine.matmul_ceiling_tok_s) for name, (run, _) in runs.items()}
     return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, figures_by_system, engine.compression)

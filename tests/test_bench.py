@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import math
+import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -169,12 +171,19 @@ def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
 
 
 def load_wall_clock(w: bench.Workload, fail: str | None = None) -> bench.Loaded:
-    """A stand-in system whose every trial reports the wall-clock time it ran at, as its TTFT."""
+    """A stand-in system whose every trial reports the wall-clock time it ran at, as its TTFT;
+    or one that fails as asked: a bad input, a bug, or a process that dies in its first trial."""
     if fail == "user":
         raise bench.UserError("no such checkpoint")
     if fail == "bug":
         raise ValueError("a bug in the loader")
-    return bench.Loaded(lambda: bench.Trial(time.time(), 1.0, 1), lambda: "extra")
+
+    def measure() -> bench.Trial:
+        if fail == "crash":
+            os._exit(1)
+        return bench.Trial(time.time(), 1.0, 1)
+
+    return bench.Loaded(measure, lambda: "extras")
 
 
 def workload(trials: int) -> bench.Workload:
@@ -187,11 +196,19 @@ def test_the_systems_take_their_trials_in_turn():
     runs = bench.timed_in_turn(workload(4), systems)
     ran_at = sorted((trial.ttft_s, name) for name, (run, _) in runs.items() for trial in run.trials)
     assert [name for _, name in ran_at] == list("abc" "bca" "cab" "abc")
-    assert all(extra == "extra" and len(run.trials) == 4 for run, extra in runs.values())
+    assert all(extras == "extras" and len(run.trials) == 4 for run, extras in runs.values())
 
 
-@pytest.mark.parametrize("fail, error, message", [("user", bench.UserError, "no such checkpoint"), ("bug", RuntimeError, "ValueError: a bug in the loader")])
+@pytest.mark.parametrize(
+    "fail, error, message",
+    [
+        ("user", bench.UserError, "no such checkpoint"),
+        ("bug", RuntimeError, "ValueError: a bug in the loader"),
+        ("crash", bench.UserError, "the broken benchmark process died"),
+    ],
+)
 def test_a_failing_system_stops_the_benchmark_with_its_error(fail, error, message):
     systems = {"fine": (load_wall_clock, ()), "broken": (load_wall_clock, (fail,))}
     with pytest.raises(error, match=message):
-        bench.timed_in_turn(workload(1), systems)
+        bench.timed_in_turn(workload(2), systems)
+    assert not multiprocessing.active_children()  # the other system's process is gone too
