@@ -344,7 +344,7 @@ def serve(connection: Connection, load: Callable[..., Loaded], w: Workload, *arg
             connection.send(("ok", (trial, CpuClock.others_between(before, CpuClock.read()))))
         extras = system.extras()
         connection.send(("ok", Finished(memory_high_water(w.device), base, memory_in_use(w.device), extras)))
-    except (KeyboardInterrupt, EOFError, BrokenPipeError):  # Ctrl-C, or the parent is gone: it reports
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):  # Ctrl-C (the parent reports it), or the parent is gone
         return
     except UserError as e:
         connection.send(("user error", str(e)))
