@@ -324,6 +324,8 @@ System = tuple[Callable[..., Loaded], tuple[Any, ...]]  # a loader, and its argu
 
 @dataclass(frozen=True)
 class Finished:
+    """What a worker reports after its last trial: its memory figures and its system's extras."""
+
     peak_mem_bytes: int
     base_mem_bytes: int
     final_mem_bytes: int | None
