@@ -46,11 +46,23 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
         )
 
 
+# Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
+SIMD_BITS = {"AVX512": 512, "AVX2": 256}
+
+
 def compile_decode_step(device: torch.device) -> Callable[..., torch.Tensor]:
     """The decode step as one compiled graph. On CPU its host code is C++ (inductor's
-    cpp_wrapper): the Python that calls a step's ~300 kernels cost 3.6 ms of a 35 ms SmolLM2
-    step (bfloat16, 2 threads), at the price of ~40 s more for a cold compile."""
-    return torch.compile(decode_step, fullgraph=True, options={"cpp_wrapper": device.type == "cpu"})
+    cpp_wrapper), which calls the step's ~300 kernels without Python in between.
+
+    On CPU the generated code's vector width is set to that of torch's own kernels. Inductor
+    follows ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: a step
+    compiled under the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width
+    given as an option is part of the cache key."""
+    options: dict[str, object] = {"cpp_wrapper": device.type == "cpu"}
+    simd_bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
+    if device.type == "cpu" and simd_bits is not None:
+        options["cpp.simdlen"] = simd_bits
+    return torch.compile(decode_step, fullgraph=True, options=options)
 
 
 def generate(

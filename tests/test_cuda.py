@@ -41,12 +41,25 @@ def test_compaction_between_replays_keeps_graph_and_eager_equal(policy, tiny_che
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn (the cuda extra)")
 def test_flash_decode_equals_sdpa(tiny_checkpoint, monkeypatch):
+    """Both kernels are fed the same tokens (teacher forcing): in bfloat16 they round differently,
+    and runs that each decode greedily would part at the first near-tie."""
     import models.flash_attention
+    from engine.decode import decode_step, prefill
+    from engine.kv_cache import KVCache
+    from engine.sampling import SamplingConfig
 
     model = load_model(tiny_checkpoint("qwen3")[0], torch.bfloat16, CUDA)
     prompts = prompts_of([9, 30, 17], seed=2)
-    with_flash = generate(model, prompts, 32, eos_ids=frozenset())
+    forced = torch.tensor(prompts_of([32, 32, 32], seed=3), device=CUDA).T  # [steps, B]
+
+    def decode_logits() -> torch.Tensor:
+        cache = KVCache.allocate(model.config, 3, 64, torch.bfloat16, CUDA)
+        prefill(model, cache, prompts)
+        finished, eos = torch.zeros(3, dtype=torch.bool, device=CUDA), torch.tensor([-1], device=CUDA)
+        steps = [decode_step(model, cache, fed.clone(), finished, eos, SamplingConfig()) for fed in forced]
+        return torch.stack(steps).float()
+
+    with_flash = decode_logits()
     monkeypatch.setattr(models.flash_attention, "flash_attn_with_kvcache", None)
-    with_sdpa = generate(model, prompts, 32, eos_ids=frozenset())
-    agree = sum(a == b for x, y in zip(with_flash.tokens, with_sdpa.tokens) for a, b in zip(x, y))
-    assert agree >= 0.9 * 3 * 32  # bfloat16 kernels round differently; a late token may flip
+    with_sdpa = decode_logits()
+    assert (with_flash - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
