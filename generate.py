@@ -1,21 +1,34 @@
 """Run a Llama / Qwen checkpoint on a prompt and stream the answer.
 
     python generate.py --checkpoint DIR --prompt "Why is the sky blue?"
+    python generate.py --checkpoint DIR -i          (a chat: /reset starts over, /exit leaves)
 
 Only the generated text goes to stdout; the one-line summary goes to stderr.
+
+Sampling follows the checkpoint's generation_config.json as transformers does (greedy unless it
+sets do_sample); a checkpoint that sets none of it (the bundled default model) samples as
+llama-cli does: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, seeded (--seed), so a run is
+reproducible. Each sampling flag overrides its value; --temperature 0 is greedy.
 """
 
+# llama-cli's defaults, for checkpoints whose generation_config.json says nothing about sampling.
+LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
-from engine.generation import GenerationResult, generate
+from engine.chat import Conversation
+from engine.generation import GenerationResult, Session, generate
 from engine.sampling import SamplingConfig
+from engine.stop_strings import StopStrings
 from models.errors import UserError, run_command
 from weights.download import resolve_checkpoint
+from weights.generation_config import sampling_defaults
 from weights.loader import load_model, stored_dtype
 from weights.packaged import smollm2_checkpoint
 from weights.tokenizer import StreamDecoder, Tokenizer
@@ -31,11 +44,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-file", type=Path, help="a file with one prompt per line; the lines run as one batch")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="wrap the prompt in the checkpoint's chat template (default: when it has one)")
     p.add_argument("--system", help="system message for the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this probability mass (1: off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-i", "--interactive", action="store_true", help="chat: read one message per line from stdin; each turn prefills only what it adds")
+    p.add_argument("--context", type=int, help="--interactive: cache slots for the whole conversation (default: the model's limit, at most 4096)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else llama-cli's; see above)")
+    g.add_argument("--temperature", type=float, help="0 is greedy decoding")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (0: off)")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set holding this probability mass (1: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens less likely than this fraction of the most likely one (0: off)")
+    g.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens already in the prompt or answer by this (1: off)")
+    g.add_argument("--stop", action="append", default=[], metavar="STRING", help="end the answer before this text (repeatable)")
+    g.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start, checks it is graph-capturable)")
@@ -47,7 +66,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt = args.prompt if args.prompt is not None else args.text
     if args.prompt is not None and args.prompt_file is not None:
         p.error("--prompt and --prompt-file are exclusive")
+    if args.interactive and (args.prompt is not None or args.prompt_file is not None):
+        p.error("--interactive reads its messages from stdin; drop the prompt or --prompt-file")
+    if args.context is not None and not args.interactive:
+        p.error("--context sizes an --interactive chat's cache; a one-shot run sizes it from the prompt")
+    if any(not stop for stop in args.stop):
+        p.error("--stop needs a non-empty string")
     return args
+
+
+def sampling_config(args: argparse.Namespace, checkpoint_defaults: dict[str, float | int] | None) -> SamplingConfig:
+    """Each flag given wins; the rest come from the checkpoint, else from llama-cli."""
+    values = dict(checkpoint_defaults or LLAMA_CPP_SAMPLING)
+    for name in values:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return SamplingConfig(**values)
 
 
 def add_compression_args(p: argparse.ArgumentParser) -> None:
@@ -130,36 +164,117 @@ def summary(result: GenerationResult) -> str:
     )
 
 
+class AnswerText:
+    """One row's answer as text: decoded piece by piece, held back where a stop string may begin."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopStrings(stops)
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        piece = self.stops.push(self.decoder.push(token))
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        piece = self.stops.push(self.decoder.flush()) + self.stops.flush()
+        self.text += piece
+        return piece
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run_command(lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> None:
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     compression = compression_config(args)
     device = pick_device(args.device)
     checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
-    prompts = encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
+    prompts = None if args.interactive else encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
     model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device)
     torch.manual_seed(args.seed)
-
-    stream = StreamDecoder(tokenizer) if len(prompts) == 1 else None
-
-    def print_tokens(tokens: list[int | None]) -> None:
-        if stream is not None and tokens[0] is not None:
-            print(stream.push(tokens[0]), end="", flush=True)
-
+    cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     with torch.inference_mode():
-        cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-        result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, print_tokens, compression, cuda_graph)
-    if stream is not None:
-        print(stream.flush(), flush=True)  # all of the answer before the summary, when both go to a terminal
+        if prompts is None:
+            chat(args, model, tokenizer, Session(model, 1, chat_context(args, model), tokenizer.eos_ids, sampling, compression, args.compile, cuda_graph))
+        else:
+            answer(args, model, tokenizer, prompts, sampling, compression, cuda_graph)
+
+
+def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool) -> None:
+    """One run over a batch of prompts: a single answer streams, a batch prints once complete."""
+    texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
+    streaming = len(prompts) == 1
+
+    def on_tokens(tokens: list[int | None]) -> list[int]:
+        for text, token in zip(texts, tokens):
+            if token is not None:
+                piece = text.push(token)
+                if streaming:
+                    print(piece, end="", flush=True)
+        return [row for row, text in enumerate(texts) if text.stops.stopped]
+
+    result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, on_tokens, compression, cuda_graph)
+    endings = [text.flush() for text in texts]
+    if streaming:
+        print(endings[0], flush=True)  # all of the answer before the summary, when both go to a terminal
     else:
         # A batch is printed once it is complete, answers in prompt order, a blank line apart.
-        print("\n\n".join(tokenizer.decode(ids) for ids in result.tokens), flush=True)
+        print("\n\n".join(text.text for text in texts), flush=True)
     print(summary(result), file=sys.stderr)
+
+
+def chat_context(args: argparse.Namespace, model) -> int:
+    limit = model.config.max_position_embeddings
+    context = min(limit, 4096) if args.context is None else args.context
+    if not 2 <= context <= limit:
+        raise UserError(f"--context must be between 2 and the model's {limit} positions, got {context}")
+    return context
+
+
+def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, session: Session) -> None:
+    """The interactive loop: one user message per line of stdin; /reset, /exit; Ctrl-C stops an answer."""
+    if not tokenizer.has_chat_template:
+        raise UserError("--interactive needs a checkpoint with a chat template; give a prompt instead")
+    if args.chat is False:
+        raise UserError("--interactive is a chat over the chat template; drop --no-chat")
+    conversation = Conversation(session, tokenizer, args.system, model.config.max_position_embeddings)
+    print(f"chat: {session.cache.n_slots} cache slots; /reset starts over, /exit or end of input leaves, Ctrl-C stops an answer", file=sys.stderr)
+    while True:
+        print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        message = line.strip()
+        if not line or message == "/exit":
+            return
+        if message == "/reset":
+            conversation.reset()
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if not message:
+            continue
+        text = AnswerText(tokenizer, args.stop)
+        interrupted = []
+
+        def on_tokens(tokens: list[int | None]) -> list[int]:
+            if tokens[0] is not None:
+                print(text.push(tokens[0]), end="", flush=True)
+            return [0] if text.stops.stopped or interrupted else []
+
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+        try:
+            conversation.turn(message, args.max_new_tokens, on_tokens)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        print(text.flush(), flush=True)
+        if interrupted:
+            print("(answer stopped)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ class CompressionManager:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
 
+    def reset(self) -> None:
+        """Start over with an empty cache (a new conversation), in the same buffers."""
+        self.queries.zero_()
+        self.query_slot.fill_(self.n_beacon)
+        self.steps = self.generated = 0
+        self.kept_positions = None
+
     def record(self, queries: torch.Tensor) -> None:
         """Called inside the decode step with that step's queries [L, B, H, 1, D]."""
         record_query(self.queries, self.query_slot, queries, self.n_beacon, self.config.n_recent)
@@ -71,14 +78,29 @@ class CompressionManager:
         valid = torch.arange(T, device=prompt_lengths.device)[None, :] < prompt_lengths[:, None]  # [B, T]
         self._set_beacons(prompt_queries, valid[None, :, None, :])
 
+    def append(self, queries: torch.Tensor, n_new: list[int]) -> None:
+        """After a prefill into a cache in use (a chat turn): its tokens join the generated part,
+        and its last queries [L, B, H, T, D] enter the recent ring as decoded ones would. The
+        cache is compacted at the next step if the turn took it past the budget."""
+        if len(set(n_new)) != 1:
+            raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
+        n = n_new[0]
+        for t in range(max(0, n - self.config.n_recent), n):
+            self.record(queries[:, :, :, t : t + 1])
+            self._count_query()
+        self.generated += n
+
     def after_step(self) -> None:
         """Between steps: one more slot is in use and one more query was recorded."""
-        self.steps += 1
+        self._count_query()
         self.generated += 1
-        if self.n_beacon and self.steps % self.config.n_recent == 0:
-            self._refresh_beacons()
         if self.generated - self.config.window > self.config.budget_max:
             self._compact()
+
+    def _count_query(self) -> None:
+        self.steps += 1
+        if self.n_beacon and self.steps % self.config.n_recent == 0:
+            self._refresh_beacons()
 
     def _set_beacons(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> None:
         picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [L, B, H, n_beacon]

@@ -1,9 +1,10 @@
 """Prefill and the decode step: the two ways a token batch goes through the model.
 
-Prefill runs every prompt token once, rows right-padded to the longest prompt; the mask keeps
-each row to its own real tokens, so padding never changes a result. The decode step has the
-same shapes on every call and reads the row lengths from the device, so it can be compiled
-(fullgraph) and captured as a CUDA graph.
+Prefill appends each row's new tokens after what its cache holds (nothing, for a new prompt;
+the conversation so far, for a chat turn), rows right-padded to the longest; the mask keeps
+each row to its own real tokens, so padding never changes a result. The decode step reads the
+row lengths from the device and, called without a read bound, has the same shapes on every
+call, so it can be compiled (fullgraph) and captured as a CUDA graph.
 """
 
 import torch
@@ -21,33 +22,41 @@ def prefill(
     all_logits: bool = False,
     compression: CompressionManager | None = None,
 ) -> torch.Tensor:
-    """Write the prompts into slots 0..len-1 of each row. Logits [B, V] at each prompt's last token,
-    or [B, T, V] at every position with all_logits. The compression manager, if any, is seeded
-    with the prompt's queries."""
+    """Append the prompts to each row's cache: slots length..length+len-1, positions
+    position..position+len-1. Logits [B, V] at each prompt's last token, or [B, T, V] at every
+    position with all_logits. Into an empty cache the prompts become the protected prefix and
+    seed the compression manager, if any; after it, the manager counts them as generated."""
     device = cache.k.device
     B, T = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
+    held = cache.length.tolist()  # slots already in use per row, read once on the host
     steps = torch.arange(T, device=device)
-    positions = steps.expand(B, T)
-    mask = None  # no padding: plain causal attention, which SDPA computes without a mask
-    if any(len(p) != T for p in prompts):
-        causal = steps[None, :, None] >= steps[None, None, :]  # [1, T, T] query i reads key j <= i
-        in_prompt = steps[None, None, :] < lengths[:, None, None]  # [B, 1, T] key j is a real token
-        mask = (causal & in_prompt).unsqueeze(1)  # [B, 1, T, T]
-    # Only the first T slots can hold anything yet: attend over that view of the cache.
-    k, v = cache.k[:, :, :, :T], cache.v[:, :, :, :T]
+    write_slots = cache.length[:, None] + steps  # [B, T]
+    positions = cache.position[:, None] + steps  # [B, T]
+    mask = None  # an empty cache and no padding: plain causal attention, which SDPA computes without a mask
+    if max(held) > 0 or any(len(p) != T for p in prompts):
+        slots = torch.arange(max(held) + T, device=device)
+        causal = slots[None, None, :] <= write_slots[:, :, None]  # [B, T, S] query i reads the slots up to its own
+        real = slots[None, None, :] < (cache.length + lengths)[:, None, None]  # [B, 1, S] not padding
+        mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
+    # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
+    k, v = cache.k[:, :, :, : max(held) + T], cache.v[:, :, :, : max(held) + T]
     logit_index = None if all_logits else lengths - 1
     if compression is not None:
-        logits, queries = model(tokens, positions, k, v, positions, mask, logit_index, return_queries=True)
-        compression.seed(queries, lengths)
+        logits, queries = model(tokens, positions, k, v, write_slots, mask, logit_index, return_queries=True)
+        if max(held) == 0:
+            compression.seed(queries, lengths)
+        else:
+            compression.append(queries, [len(p) for p in prompts])
     else:
-        logits = model(tokens, positions, k, v, positions, mask, logit_index)
-    cache.length.copy_(lengths)
-    cache.position.copy_(lengths)
-    cache.prompt_length.copy_(lengths)
+        logits = model(tokens, positions, k, v, write_slots, mask, logit_index)
+    if max(held) == 0:
+        cache.prompt_length.copy_(lengths)
+    cache.length += lengths
+    cache.position += lengths
     return logits
 
 
@@ -60,14 +69,14 @@ def decode_step(
     sampling: SamplingConfig,
     compression: CompressionManager | None = None,
     n_read: int | None = None,
+    seen: torch.Tensor | None = None,  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
 ) -> torch.Tensor:
     """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
     The compression manager, if any, records this step's queries into its static buffer.
 
     n_read: attend over the first n_read slots only, a bound the host knows (every row's length
     + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
-    graph needs. Attention time grows with the slots read: bfloat16 SDPA over 2176 slots took
-    twice as long as over half of them."""
+    graph needs. Attention time grows with the slots read."""
     slots = cache.length[:, None]  # [B, 1]
     k, v, slot_ids = cache.k, cache.v, cache.slot_ids
     if n_read is not None:
@@ -80,8 +89,10 @@ def decode_step(
     else:
         logits = model(*inputs)
     logits = logits[:, 0]  # [B, V]
+    if seen is not None:
+        seen.scatter_(1, tokens[:, None], True)
     # A finished row keeps running (shapes are static) but only ever emits EOS again.
-    next_tokens = torch.where(finished, eos_ids[0], sample(logits, sampling))
+    next_tokens = torch.where(finished, eos_ids[0], sample(logits, sampling, seen))
     finished |= torch.isin(next_tokens, eos_ids)
     tokens.copy_(next_tokens)
     cache.length += 1

@@ -1,7 +1,12 @@
-"""The generation loop: one cache, one prefill, then one decode step per token."""
+"""The generation loop: one cache, one prefill, then one decode step per token.
+
+A Session holds what lives on the device for a whole run: the cache, the compression manager,
+and the few tensors the decode step reads and advances. `generate` runs a batch of prompts
+through one session; a chat runs every turn through the same one, each turn appended to it.
+"""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -12,9 +17,13 @@ from compression.manager import CompressionManager, CompressionStats
 from engine.cuda_graph import capture_decode_step
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
-from engine.sampling import SamplingConfig, sample
+from engine.sampling import SamplingConfig, sample, seen_tokens
 from models.errors import UserError
 from models.transformer import Transformer
+
+# Called after every step with each row's new token (None for a row that has finished); it
+# returns the rows that must stop now (a stop string appeared in their text), or None.
+OnTokens = Callable[[list[int | None]], Iterable[int] | None]
 
 
 @dataclass
@@ -65,6 +74,139 @@ def compile_decode_step(device: torch.device) -> Callable[..., torch.Tensor]:
     return torch.compile(decode_step, fullgraph=True, options=options)
 
 
+class Session:
+    """One cache and the decode step bound to it, for `batch` rows of up to `n_slots` slots."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        batch: int,
+        n_slots: int,
+        eos_ids: frozenset[int],
+        sampling: SamplingConfig = SamplingConfig(),
+        compression: CompressionConfig = CompressionConfig(),
+        compile: bool = False,
+        cuda_graph: bool = False,
+    ):
+        device = model.embed.weight.device
+        if cuda_graph and device.type != "cuda":
+            raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
+        self.model, self.sampling, self.eos_ids = model, sampling, eos_ids
+        self.cache = KVCache.allocate(model.config, batch, n_slots, model.embed.weight.dtype, device)
+        self.manager = None
+        if compression.enabled:
+            self.manager = CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+        self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
+        # What the decode step reads and overwrites: the same tensors for the whole session, so
+        # that a compiled step or a CUDA graph keeps pointing at them.
+        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] the next tokens to feed
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+        self.seen = None  # [B, V] bool, the tokens the repetition penalty applies to
+        if sampling.penalises_repetition:
+            self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
+        self.compile, self.cuda_graph = compile, cuda_graph
+        self.longest = 0  # the most slots any row has written (a host count: the eager read bound)
+        self.last_logits: torch.Tensor | None = None
+        self._step: Callable[..., object] | None = None
+        self._guards_checked = False
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Append one list of tokens per row; returns the first sampled token of each row."""
+        if self.seen is not None:
+            self.seen |= seen_tokens(prompts, self.seen.shape[1], self.seen.device)
+        logits = prefill(self.model, self.cache, prompts, compression=self.manager)
+        self.last_logits = logits  # [B, V] at each prompt's last token
+        self.tokens.copy_(sample(logits, self.sampling, self.seen))
+        self.finished.copy_(torch.isin(self.tokens, self.eos))
+        self.longest += max(len(p) for p in prompts)
+        return self.tokens.tolist()  # the host sync that ends prefill
+
+    def step(self) -> list[int]:
+        """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
+        if self._step is None:
+            self._step = self._build_step()
+        # Eager, the step attends over the slots that can be in use, a bound the host knows: any
+        # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
+        # one compile. A compressed cache is small already, and its lengths shrink on the device.
+        if not (self.compile or self.cuda_graph or self.manager is not None):
+            self._step(n_read=self.longest + 1)
+        else:
+            self._step()
+        self.longest += 1
+        if self.manager is not None:
+            self.manager.after_step()
+        return self.tokens.tolist()
+
+    def reset(self) -> None:
+        """Empty the cache for a new conversation, keeping every buffer (and a captured graph)."""
+        for counter in (self.cache.length, self.cache.position, self.cache.prompt_length):
+            counter.zero_()
+        self.finished.zero_()
+        if self.seen is not None:
+            self.seen.zero_()
+        if self.manager is not None:
+            self.manager.reset()
+        self.longest = 0
+
+    def stop_rows(self, rows: Iterable[int]) -> None:
+        """From the host, between steps: these rows emit EOS from now on."""
+        for row in rows:
+            self.finished[row] = True
+
+    def _build_step(self) -> Callable[..., object]:
+        step = compile_decode_step(self.cache.k.device) if self.compile else decode_step
+        advance = partial(step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen)
+        if self.cuda_graph:
+            state = [self.cache.length, self.cache.position, self.tokens, self.finished]
+            if self.seen is not None:
+                state.append(self.seen)
+            if self.manager is not None:
+                state.append(self.manager.query_slot)
+            return capture_decode_step(advance, state)
+        if self.compile:
+            return partial(self._unguarded, advance)
+        return advance
+
+    def _unguarded(self, advance: Callable[[], object]) -> None:
+        """A compiled step's first call checks its guards against these very objects; nothing the
+        guards read changes between steps (only tensor values do), so later calls skip the check.
+        With several compiled versions in the process, torch still checks what tells them apart."""
+        if not self._guards_checked:
+            self._guards_checked = True
+            advance()
+            return
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            advance()
+
+    @property
+    def stats(self) -> CompressionStats | None:
+        return self.manager.stats if self.manager is not None else None
+
+
+def decode(session: Session, first: list[int], max_new_tokens: int, on_tokens: OnTokens | None = None) -> tuple[list[list[int]], int]:
+    """The token loop: from the tokens prefill sampled, step until every row has finished or
+    max_new_tokens are out. Returns each row's tokens (EOS excluded) and the steps taken."""
+    new_tokens = first
+    generated: list[list[int]] = [[] for _ in new_tokens]
+    done = [False] * len(new_tokens)
+    steps = 0
+    while True:
+        emitted: list[int | None] = []
+        for row, token in enumerate(new_tokens):
+            done[row] = done[row] or token in session.eos_ids
+            emitted.append(None if done[row] else token)
+            if not done[row]:
+                generated[row].append(token)
+        stopped = list(on_tokens(emitted) or []) if on_tokens is not None else []
+        for row in stopped:
+            done[row] = True
+        session.stop_rows(stopped)
+        if all(done) or steps + 1 == max_new_tokens:
+            return generated, steps
+        new_tokens = session.step()
+        steps += 1
+
+
 def generate(
     model: Transformer,
     prompts: list[list[int]],
@@ -72,75 +214,21 @@ def generate(
     eos_ids: frozenset[int],
     sampling: SamplingConfig = SamplingConfig(),
     compile: bool = False,
-    on_tokens: Callable[[list[int | None]], None] | None = None,
+    on_tokens: OnTokens | None = None,
     compression: CompressionConfig = CompressionConfig(),
     cuda_graph: bool = False,
 ) -> GenerationResult:
-    """Generate for a batch of prompts (any lengths). on_tokens receives, after every step, each
-    row's new token, or None for a row that has finished. With a compression policy the cache
-    holds the prompt + budget_max + window slots only, and is compacted whenever it is full."""
+    """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
+    the prompt + budget_max + window slots only, and is compacted whenever it is full."""
     check_lengths(model, prompts, max_new_tokens)
-    device = model.embed.weight.device
-    B = len(prompts)
     n_slots = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
-    cache = KVCache.allocate(model.config, B, n_slots, model.embed.weight.dtype, device)
-    manager = None
-    if compression.enabled:
-        manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    if cuda_graph and device.type != "cuda":
-        raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
+    session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph)
 
     start = time.perf_counter()
-    logits = prefill(model, cache, prompts, compression=manager)
-    tokens = sample(logits, sampling)
-    finished = torch.isin(tokens, eos)
-    new_tokens = tokens.tolist()  # the host sync that ends prefill
+    first = session.prefill(prompts)
     prefill_s = time.perf_counter() - start
 
-    step = compile_decode_step(device) if compile else decode_step
-    advance = partial(step, model, cache, tokens, finished, eos, sampling, manager)
-    if cuda_graph and max_new_tokens > 1:
-        state = [cache.length, cache.position, tokens, finished] + ([manager.query_slot] if manager else [])
-        advance = capture_decode_step(advance, state)
-
-    # Eager, each step attends over the slots that can be in use, a bound the host knows: any
-    # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
-    # one compile. A compressed cache is small already, and its lengths shrink on the device.
-    bound_reads = not (compile or cuda_graph or manager is not None)
-    longest = max(len(p) for p in prompts)
-    generated: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    steps = 0
     start = time.perf_counter()
-    while True:
-        emitted: list[int | None] = []
-        for row, token in enumerate(new_tokens):
-            done[row] = done[row] or token in eos_ids
-            if done[row]:
-                emitted.append(None)
-            else:
-                generated[row].append(token)
-                emitted.append(token)
-        if on_tokens is not None:
-            on_tokens(emitted)
-        if all(done) or steps + 1 == max_new_tokens:
-            break
-        if bound_reads:
-            advance(n_read=longest + steps + 1)
-        elif compile and steps > 0:
-            # The first call checked the compiled step's guards against these very objects, and
-            # nothing the guards read changes between steps (only tensor values do): checking
-            # them again cost 1.5-1.9 ms of a 30-35 ms SmolLM2 step. With several compiled
-            # versions in the process, torch still checks what tells them apart.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                advance()
-        else:
-            advance()
-        if manager is not None:
-            manager.after_step()
-        steps += 1
-        new_tokens = tokens.tolist()
+    tokens, steps = decode(session, first, max_new_tokens, on_tokens)
     decode_s = time.perf_counter() - start
-    stats = manager.stats if manager is not None else None
-    return GenerationResult(generated, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, stats)
+    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, session.cache.nbytes, session.stats)

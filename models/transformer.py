@@ -7,8 +7,6 @@ each query may read (a boolean mask). Prefill and decode are the same code path.
 Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +14,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.linear import Linear
+from models.rope import apply_rope, rope_cos_sin, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -29,40 +28,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[D/2] float32 angular speeds, with Llama-3 scaling when the config asks for it."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    wavelength = 2 * math.pi / inv_freq
-    low_freq_wavelength = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelength = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, [max_positions, D] float32, in the rotate-half layout."""
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-    freqs = positions[:, None] * rope_inverse_frequencies(config)[None, :]  # [P, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by cos/sin [B, T, D]; pairs are (i, i + D/2), as in HF checkpoints."""
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -184,11 +149,13 @@ class Transformer(nn.Module):
         With return_queries, also every layer's queries before RoPE, [L, B, H, T, D]."""
         x = self.embed(tokens)
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
-        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)  # [B, T, D]
+        cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         queries = []
         for i, layer in enumerate(self.layers):
             x, q = layer(x, cos, sin, k_cache, v_cache, i, write_slots, mask)
-            queries.append(q)
+            if return_queries:  # each pins its layer's whole q/k/v output
+                queries.append(q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
         logits = self.lm_head(self.norm(x))

@@ -1,9 +1,14 @@
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tiny_checkpoints import KINDS, write_checkpoint
+from tiny_tokenizer import write_tiny_tokenizer
+
+IM_END = 386  # the tiny tokenizer's <|im_end|>
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +23,16 @@ def tiny_checkpoint(tmp_path_factory):
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny Qwen2 checkpoint with a ChatML tokenizer and <|im_end|> as its EOS."""
+    folder = tmp_path_factory.mktemp("chat")
+    shutil.copytree(tiny_checkpoint("qwen2")[0], folder, dirs_exist_ok=True)
+    write_tiny_tokenizer(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END]}))
+    return folder
 
 
 @pytest.fixture(autouse=True)

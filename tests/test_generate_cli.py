@@ -12,20 +12,9 @@ import transformers
 
 import generate
 from compression.config import POLICIES
-from tiny_tokenizer import write_tiny_tokenizer
+from conftest import IM_END
 
 REPO = Path(__file__).resolve().parent.parent
-IM_END = 386  # the tiny tokenizer's <|im_end|>
-
-
-@pytest.fixture(scope="session")
-def chat_checkpoint(tiny_checkpoint, tmp_path_factory):
-    """The tiny Qwen2 checkpoint with a ChatML tokenizer and <|im_end|> as its EOS."""
-    folder = tmp_path_factory.mktemp("chat")
-    shutil.copytree(tiny_checkpoint("qwen2")[0], folder, dirs_exist_ok=True)
-    write_tiny_tokenizer(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END]}))
-    return folder
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -46,7 +35,7 @@ def transformers_answer(folder: Path, messages: list[dict] | None, text: str | N
 
 
 def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpoint, capsys):
-    code, out, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt", "Tell me about the fox 🦊", "--system", "Be brief.", "--max-new-tokens", "24", "--dtype", "float32")
+    code, out, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt", "Tell me about the fox 🦊", "--system", "Be brief.", "--max-new-tokens", "24", "--dtype", "float32", "--temperature", "0")
     assert code == 0
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the fox 🦊"}]
     assert out == transformers_answer(chat_checkpoint, messages, None, 24) + "\n"
@@ -54,7 +43,7 @@ def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpo
 
 
 def test_no_chat_encodes_the_plain_prompt(chat_checkpoint, capsys):
-    code, out, _ = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--no-chat", "--max-new-tokens", "16", "--dtype", "float32", "Once upon a time")
+    code, out, _ = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--no-chat", "--max-new-tokens", "16", "--dtype", "float32", "--temperature", "0", "Once upon a time")
     assert code == 0
     assert out == transformers_answer(chat_checkpoint, None, "Once upon a time", 16) + "\n"
 
@@ -62,9 +51,9 @@ def test_no_chat_encodes_the_plain_prompt(chat_checkpoint, capsys):
 def test_prompt_file_runs_a_batch_in_prompt_order(chat_checkpoint, capsys, tmp_path):
     prompts = ["first question", "a second, longer question about foxes", "third"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    code, out, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "12", "--dtype", "float32")
+    code, out, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0")
     assert code == 0
-    singles = [run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt", p, "--max-new-tokens", "12", "--dtype", "float32")[1] for p in prompts]
+    singles = [run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt", p, "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0")[1] for p in prompts]
     assert out == "\n\n".join(s.removesuffix("\n") for s in singles) + "\n"
 
 
@@ -125,3 +114,62 @@ def test_bad_option_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--dtype", "int8", "--prompt", "x"])
     assert exit_info.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def with_generation_config(folder: Path, tmp_path: Path, **fields) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END], **fields}))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "fields,flags,expected",
+    [
+        # No sampling field: llama-cli's defaults.
+        ({}, [], dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.0)),
+        # Qwen2.5-Instruct's file, as transformers reads it.
+        (dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05), [], dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, repetition_penalty=1.05)),
+        # Sampling fields without do_sample: transformers decodes greedily, its other defaults apply.
+        (dict(temperature=0.6), [], dict(temperature=0.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)),
+        # Each flag overrides its own value only.
+        (dict(do_sample=True, temperature=0.7, top_k=20), ["--temperature", "0", "--min-p", "0.1"], dict(temperature=0.0, top_k=20, top_p=1.0, min_p=0.1, repetition_penalty=1.0)),
+    ],
+)
+def test_sampling_defaults_come_from_generation_config(chat_checkpoint, tmp_path, fields, flags, expected):
+    from weights.generation_config import sampling_defaults
+
+    folder = with_generation_config(chat_checkpoint, tmp_path, **fields)
+    args = generate.parse_args(["--checkpoint", str(folder), "x", *flags])
+    assert generate.sampling_config(args, sampling_defaults(folder)) == generate.SamplingConfig(**expected)
+
+
+def test_a_generation_config_of_the_wrong_type_names_the_file(chat_checkpoint, tmp_path, capsys):
+    folder = with_generation_config(chat_checkpoint, tmp_path, do_sample=True, top_k="forty")
+    code, _, err = run_main(capsys, "--checkpoint", str(folder), "--prompt", "x")
+    assert code == 2 and "generation_config.json: top_k is 'forty', expected an integer" in err
+
+
+def test_greedy_with_repetition_penalty_equals_transformers(tiny_checkpoint):
+    """The penalty counts the prompt and every token generated so far, inside the decode step."""
+    from engine.generation import generate as run_generate
+    from weights.loader import load_model
+
+    folder, hf = tiny_checkpoint("llama")
+    prompt = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+    model = load_model(folder, torch.float32, torch.device("cpu"))
+    got = run_generate(model, [prompt], 40, frozenset(), generate.SamplingConfig(repetition_penalty=1.8)).tokens[0]
+    assert got == expected[0, len(prompt) :].tolist()
+    assert got != run_generate(model, [prompt], 40, frozenset()).tokens[0]  # the penalty changes this answer
+
+
+def test_stop_string_ends_the_answer_before_it(chat_checkpoint, capsys):
+    base = ["--checkpoint", str(chat_checkpoint), "--prompt", "Tell me about the fox", "--max-new-tokens", "40", "--temperature", "0"]
+    _, full, _ = run_main(capsys, *base)
+    words = full.split()
+    stop = " ".join(words[len(words) // 2 : len(words) // 2 + 2])  # two words: a stop that spans tokens
+    code, out, err = run_main(capsys, *base, "--stop", stop, "--stop", "never appears")
+    assert code == 0
+    assert out == full[: full.index(stop)] + "\n"
+    assert int(err.split("new tokens: ")[1].split()[0]) < 40  # generation really stopped

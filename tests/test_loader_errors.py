@@ -1,6 +1,7 @@
 """Every bad checkpoint gives one clear UserError naming the problem."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -112,10 +113,44 @@ def test_config_reads_rope_theta_from_top_level_and_rope_parameters():
 
 def test_config_refuses_unknown_rope_scaling_and_sliding_window():
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(UserError, match="RoPE scaling 'yarn'"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UserError, match="RoPE scaling 'foo'"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "foo", "factor": 4.0}})
     with pytest.raises(UserError, match="sliding-window"):
         ModelConfig.from_dict({**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16})
+
+
+@pytest.mark.parametrize(
+    "changes, field, holds, expected",
+    [
+        ({"hidden_size": "896"}, "hidden_size", r'"896" \(a string\)', "a positive integer"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers", r"2.5 \(a number\)", "a positive integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads", r"0 \(an integer\)", "a positive integer"),
+        ({"rope_theta": "big"}, "rope_theta", r'"big" \(a string\)', "a number"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": True}}, "rope_parameters.rope_theta", r"true \(a boolean\)", "a number"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings", r'"yes" \(a string\)', "true or false"),
+        ({"rope_scaling": ["linear", 2.0]}, "rope_scaling", r'\["linear", 2.0\] \(a list\)', r"an object \{...\} or null"),
+        ({"rope_scaling": {"type": 3, "factor": 2.0}}, "rope_scaling.type", r"3 \(an integer\)", "a string"),
+    ],
+)
+def test_config_field_of_the_wrong_type_is_one_clear_error(checkpoint, changes, field, holds, expected):
+    edit_config(checkpoint, **changes)
+    path = re.escape(str(checkpoint / "config.json"))
+    with pytest.raises(UserError, match=rf"^{path}: field '{field}' holds {holds}, but must be {expected}; correct it in that file$"):
+        load_model(checkpoint, torch.float32, CPU)
+
+
+def test_config_that_is_not_a_json_object_is_refused(checkpoint):
+    path = checkpoint / "config.json"
+    path.write_text(json.dumps([{"model_type": "llama"}]))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} holds a list, not an object of named fields"):
+        load_model(checkpoint, torch.float32, CPU)
+
+
+def test_truncated_config_is_refused_as_invalid_json(checkpoint):
+    path = checkpoint / "config.json"
+    path.write_text(path.read_text()[:50])
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} is not valid JSON"):
+        load_model(checkpoint, torch.float32, CPU)
 
 
 def test_config_missing_field_is_named(tmp_path):

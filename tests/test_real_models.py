@@ -65,7 +65,7 @@ def test_greedy_generation_equals_transformers_on_varied_prompts(name, packaged_
 
 def test_generate_py_with_no_checkpoint_gives_the_golden_answer():
     done = subprocess.run(
-        [sys.executable, str(REPO / "generate.py"), "--max-new-tokens", "24", "--dtype", "float32", "What is the capital of France?"],
+        [sys.executable, str(REPO / "generate.py"), "--max-new-tokens", "24", "--dtype", "float32", "--temperature", "0", "What is the capital of France?"],
         capture_output=True, text=True, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr

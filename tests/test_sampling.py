@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingConfig, sample
+from engine.sampling import SamplingConfig, filter_logits, penalise_repetition, sample, seen_tokens
 from models.errors import UserError
 
 
@@ -70,5 +70,58 @@ def test_a_fixed_seed_reproduces():
     ],
 )
 def test_bad_values_are_refused(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),  # Qwen2.5-Instruct's
+        SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),  # llama-cli's
+        SamplingConfig(temperature=1.3, min_p=0.2, repetition_penalty=1.5),
+        SamplingConfig(temperature=0.5, top_p=0.3, repetition_penalty=0.8),
+    ],
+)
+def test_processing_equals_transformers_logits_processors(config):
+    """The same logits through transformers' own processors, in generate()'s order."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 300, generator=g) * 3  # [B, V]
+    history = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 1)]
+    processors = [RepetitionPenaltyLogitsProcessor(config.repetition_penalty), TemperatureLogitsWarper(config.temperature)]
+    if config.top_k:
+        processors.append(TopKLogitsWarper(config.top_k))
+    if config.top_p < 1:
+        processors.append(TopPLogitsWarper(config.top_p))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p))
+    expected = torch.cat([LogitsProcessorList(processors)(torch.tensor([h]), row[None].clone()) for h, row in zip(history, logits)])
+    got = filter_logits(penalise_repetition(logits, seen_tokens(history, 300, torch.device("cpu")), config.repetition_penalty), config)
+    assert torch.equal(got.isinf(), expected.isinf())
+    assert torch.allclose(got[got.isfinite()], expected[expected.isfinite()], atol=1e-6)
+    assert got.isinf().any()  # the case filters something
+
+
+def test_min_p_keeps_only_tokens_near_the_best():
+    logits = torch.tensor([[0.0, -0.5, -2.0, -5.0]]).log_softmax(-1)
+    kept = filter_logits(logits, SamplingConfig(temperature=1.0, min_p=0.3)).isfinite()[0].tolist()
+    # probabilities relative to the best: 1, 0.61, 0.14, 0.007
+    assert kept == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [(dict(min_p=1.5), "min-p must be in"), (dict(repetition_penalty=0.0), "repetition penalty must be > 0")],
+)
+def test_bad_new_values_are_refused(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingConfig(**kwargs)

@@ -32,6 +32,29 @@ KINDS = {
             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
         ),
     ),
+    # The other RoPE scalings: a trained context of 64 (dynamic: max_position_embeddings, as transformers reads
+    # it) so that a 120-token prompt, or a short prompt and a long generation, goes past it.
+    "llama_linear_rope": (transformers.LlamaConfig, dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "llama_dynamic_rope": (
+        transformers.LlamaConfig,
+        dict(max_position_embeddings=64, rope_scaling=dict(rope_type="dynamic", factor=4.0)),
+    ),
+    "qwen2_yarn_rope": (
+        transformers.Qwen2Config,
+        dict(tie_word_embeddings=True, rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64)),
+    ),
+    # Phi-3 style: original_max_position_embeddings at the top level, no factor (512 / 64 it is).
+    "llama_longrope": (
+        transformers.LlamaConfig,
+        dict(
+            original_max_position_embeddings=64,
+            rope_scaling=dict(
+                rope_type="longrope",
+                short_factor=[1.0, 1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+                long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0],
+            ),
+        ),
+    ),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import reprlib
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Sequence, get_args, get_origin
 
 import numpy as np
 import torch
@@ -38,6 +39,48 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The files an import writes; a folder with all of them is a finished import.
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# What to do about a damaged GGUF file.
+_FETCH_AGAIN = "download, copy or convert it again"
+
+# The type of each metadata value the import reads; GGUF's integers and floats of every width read as int and float.
+_METADATA_KINDS: dict[str, Any] = {
+    "general.architecture": str,
+    "tokenizer.ggml.model": str,
+    "tokenizer.ggml.pre": str,
+    "tokenizer.ggml.tokens": list[str],
+    "tokenizer.ggml.merges": list[str],
+    "tokenizer.ggml.token_type": list[int],
+    "tokenizer.ggml.bos_token_id": int,
+    "tokenizer.ggml.eos_token_id": int,
+    "tokenizer.ggml.eot_token_id": int,
+    "tokenizer.ggml.eom_token_id": int,
+    "tokenizer.ggml.padding_token_id": int,
+    "tokenizer.ggml.unknown_token_id": int,
+    "tokenizer.ggml.add_bos_token": bool,
+    "tokenizer.ggml.add_eos_token": bool,
+    "tokenizer.chat_template": str,
+}
+# The same for the keys under "<architecture>.".
+_ARCH_METADATA_KINDS: dict[str, Any] = {
+    "block_count": int,
+    "context_length": int,
+    "embedding_length": int,
+    "feed_forward_length": int,
+    "attention.head_count": int,
+    "attention.head_count_kv": int,
+    "attention.layer_norm_rms_epsilon": float,
+    "rope.freq_base": float,
+    "rope.scaling.type": str,
+}
+_KIND_CHECKS = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),  # a whole number is a number too
+    str: lambda v: isinstance(v, str),
+    bool: lambda v: isinstance(v, bool),
+}
+_KIND_NAMES = {
+    int: "an integer", float: "a number", str: "text", bool: "a boolean", list[str]: "an array of text", list[int]: "an array of integers"
+}
 
 # GGUF leaf name -> Hugging Face name inside model.layers.N.
 _LAYER_NAMES = {
@@ -102,7 +145,7 @@ def import_gguf(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} already exists; remove it or choose another output folder")
     reader = _open(path)
-    meta = _Metadata(reader)
+    meta = _Metadata(reader, path)
     arch = meta.architecture
     config = _model_config(meta, reader, arch, dtype)
     plan = _tensor_plan(reader, arch, config)
@@ -139,14 +182,19 @@ def _open(path: Path) -> GGUFReader:
         raise UserError(f"{path} is not a GGUF file (it does not start with the 'GGUF' magic bytes)")
     try:
         return GGUFReader(path)
-    except Exception as e:  # gguf-py raises ValueError/IndexError/... on truncated or corrupt files
-        raise UserError(f"cannot read {path} as GGUF ({e}); the file may be truncated: download it again") from e
+    except Exception as e:  # on a damaged file gguf-py fails with whatever its code or numpy raise: ValueError, IndexError, KeyError...
+        raise _damaged(path, f"gguf-py cannot read it: {str(e).rstrip('.')}; most likely it is truncated, cut off during a copy or download") from e
+
+
+def _damaged(path: Path, problem: str) -> UserError:
+    return UserError(f"{path.name} in {path.parent} is damaged ({problem}); {_FETCH_AGAIN}")
 
 
 class _Metadata:
-    """The key/value metadata of a GGUF file, as plain Python values."""
+    """The key/value metadata of a GGUF file, as plain Python values of the types the import expects."""
 
-    def __init__(self, reader: GGUFReader) -> None:
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.path = path
         self._fields = reader.fields
         self._cache: dict[str, Any] = {}  # contents() rebuilds a list of 150k tokens on every call
         self.architecture: str = self.get("general.architecture")
@@ -157,20 +205,55 @@ class _Metadata:
             )
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key not in self._cache:
-            field = self._fields.get(key)
-            self._cache[key] = None if field is None else field.contents()
-        value = self._cache[key]
-        return default if value is None else value
+        return self._value(key, _METADATA_KINDS[key], default)
 
     def arch(self, key: str, default: Any = None) -> Any:
-        return self.get(f"{self.architecture}.{key}", default)
+        return self._value(f"{self.architecture}.{key}", _ARCH_METADATA_KINDS[key], default)
 
     def need(self, key: str) -> Any:
         value = self.arch(key)
         if value is None:
             raise UserError(f"the GGUF file has no {self.architecture}.{key} metadata, which a {self.architecture} model needs")
         return value
+
+    def token_id(self, key: str) -> int | None:
+        """tokenizer.ggml.<key> (bos_token_id, ...), checked to be the id of one of the file's tokens."""
+        token_id = self.get(f"tokenizer.ggml.{key}")
+        n_tokens = len(self.get("tokenizer.ggml.tokens", []))
+        if token_id is not None and not 0 <= token_id < n_tokens:
+            raise _damaged(self.path, f"its metadata tokenizer.ggml.{key} is {token_id}, but it has {n_tokens} tokens")
+        return token_id
+
+    def _value(self, key: str, kind: Any, default: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = self._read(key, kind)
+        value = self._cache[key]
+        return default if value is None else value
+
+    def _read(self, key: str, kind: Any) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return None
+        try:
+            value = field.contents()
+        except UnicodeDecodeError as e:
+            raise _damaged(self.path, f"its metadata {key} is not UTF-8 text") from e
+        if not _has_kind(value, kind):
+            raise _damaged(self.path, f"its metadata {key} is {_describe(value)}, not {_KIND_NAMES[kind]}")
+        return value
+
+
+def _has_kind(value: Any, kind: Any) -> bool:
+    if get_origin(kind) is list:
+        check = _KIND_CHECKS[get_args(kind)[0]]
+        return isinstance(value, list) and all(check(v) for v in value)
+    return _KIND_CHECKS[kind](value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return f"an array of {type(value[0]).__name__}" if value else "an empty array"
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
 
 
 def _float32(value: float) -> float:
@@ -216,9 +299,9 @@ def _model_config(meta: _Metadata, reader: GGUFReader, arch: str, dtype: str) ->
         "max_position_embeddings": meta.arch("context_length", 4096),
         # llama.cpp writes output.weight only when the model does not reuse the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": meta.token_id("bos_token_id"),
+        "eos_token_id": meta.token_id("eos_token_id"),
+        "pad_token_id": meta.token_id("padding_token_id"),
         "dtype": dtype,
         "torch_dtype": dtype,  # the name transformers < 4.56 reads
     }
@@ -354,6 +437,8 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
     if not tokens or merges is None:
         raise UserError("the GGUF file has no tokenizer.ggml.tokens / tokenizer.ggml.merges; it carries no usable tokenizer")
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise _damaged(meta.path, f"its metadata tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
 
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
@@ -364,7 +449,10 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = i
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)  # type: ignore[arg-type]
+    try:
+        bpe = models.BPE(vocab, pairs, ignore_merges=pre in _IGNORE_MERGES)  # type: ignore[arg-type]
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of tokens the vocabulary lacks
+        raise _damaged(meta.path, f"its tokenizer metadata does not hold together: {e}") from e
     tok = Tokenizer(bpe)
 
     split = _PRE_TOKENIZERS[pre]
@@ -400,7 +488,7 @@ def _bos_eos_template(meta: _Metadata, tokens: list[str]) -> processors.Template
     """The post-processor that adds BOS/EOS to encode(), when the file says llama.cpp adds them."""
     single, special = "$A", []  # e.g. "<|begin_of_text|> $A"
     for flag, key, where in (("add_bos_token", "bos_token_id", "before"), ("add_eos_token", "eos_token_id", "after")):
-        token_id = meta.get(f"tokenizer.ggml.{key}")
+        token_id = meta.token_id(key)
         if meta.get(f"tokenizer.ggml.{flag}", False) and token_id is not None:
             single = f"{tokens[token_id]} {single}" if where == "before" else f"{single} {tokens[token_id]}"
             special.append((tokens[token_id], token_id))
@@ -411,7 +499,7 @@ def _bos_eos_template(meta: _Metadata, tokens: list[str]) -> processors.Template
 
 
 def _token(meta: _Metadata, key: str) -> str | None:
-    token_id = meta.get(f"tokenizer.ggml.{key}")
+    token_id = meta.token_id(key)
     return None if token_id is None else meta.get("tokenizer.ggml.tokens")[token_id]
 
 
@@ -422,8 +510,8 @@ def _tokenizer_config(meta: _Metadata) -> dict[str, Any]:
         "eos_token": _token(meta, "eos_token_id"),
         "pad_token": _token(meta, "padding_token_id"),
         "unk_token": _token(meta, "unknown_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", False),
+        "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
         "clean_up_tokenization_spaces": False,
         "model_max_length": meta.arch("context_length", 4096),
     }
@@ -434,13 +522,13 @@ def _tokenizer_config(meta: _Metadata) -> dict[str, Any]:
 
 def _generation_config(meta: _Metadata) -> dict[str, Any]:
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
-    declared = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    declared = [meta.token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     # Like llama.cpp: a chat model ends its turn with e.g. <|im_end|> even when EOS is <|endoftext|>.
     named = [i for i, token in enumerate(tokens) if token in _END_OF_GENERATION]
     eos = list(dict.fromkeys(i for i in [*declared, *named] if i is not None))
     config: dict[str, Any] = {"eos_token_id": eos[0] if len(eos) == 1 else eos}
     for key, name in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
-        if (value := meta.get(f"tokenizer.ggml.{name}")) is not None:
+        if (value := meta.token_id(name)) is not None:
             config[key] = value
     return config
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
 from models.errors import UserError
@@ -18,6 +18,9 @@ from models.transformer import Transformer
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX = "model.safetensors.index.json"
+# What to do about a damaged file of a checkpoint.
+_FETCH_AGAIN = "download or copy it again (a folder imported from a GGUF file: delete it and import it again)"
 
 
 def read_config(checkpoint: Path) -> ModelConfig:
@@ -64,50 +67,112 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def safetensors_files(checkpoint: Path) -> list[Path]:
-    index = checkpoint / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+def read_weight_map(checkpoint: Path) -> dict[str, str] | None:
+    """Tensor name -> shard file, from the index of a sharded checkpoint; None for a single file."""
+    index = checkpoint / INDEX
+    if not index.is_file():
+        return None
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise UserError(f"{INDEX} in {checkpoint} is damaged (not valid JSON: {e}); {_FETCH_AGAIN}") from e
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise UserError(f'{INDEX} in {checkpoint} is damaged (it has no "weight_map" from tensor names to shard files); {_FETCH_AGAIN}')
+    return weight_map
+
+
+def safetensors_files(checkpoint: Path, weight_map: dict[str, str] | None) -> list[Path]:
+    if weight_map is not None:
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (checkpoint / s).is_file()]
         if missing:
-            raise UserError(f"{index} lists shards that are not in the folder: {', '.join(missing)}")
+            raise UserError(f"{checkpoint / INDEX} lists shards that are not in the folder: {', '.join(missing)}")
         return [checkpoint / s for s in shards]
     single = checkpoint / "model.safetensors"
     if single.is_file():
         return [single]
     raise UserError(
-        f"{checkpoint} has no model.safetensors or model.safetensors.index.json; "
+        f"{checkpoint} has no model.safetensors or {INDEX}; "
         "the engine reads safetensors weights only (a GGUF file can be imported with python -m weights.gguf)"
     )
+
+
+def _open_safetensors(path: Path) -> safe_open:
+    """The file, opened for reading. safe_open checks the whole header against the file's size, so a
+    damaged file fails here rather than at get_tensor."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise UserError(f"{path.name} in {path.parent} is damaged ({_damage(path, e)}); {_FETCH_AGAIN}") from e
+    except OSError as e:  # not damage, e.g. no permission to read it
+        raise UserError(f"cannot read {path} ({e}); check that the file is readable") from e
+
+
+def _damage(path: Path, error: SafetensorError) -> str:
+    """What is wrong with a file safe_open refused. Most often a download was cut short, which the
+    sizes show; anything else is a damaged header, in safetensors' own words."""
+    size = path.stat().st_size
+    if size < 8:
+        return f"it is {size} bytes long, too short to hold a header: cut off during a copy or download?"
+    with open(path, "rb") as f:
+        header_length = int.from_bytes(f.read(8), "little")
+        header = f.read(header_length) if 8 + header_length <= size else b""
+    declared = 8 + header_length + (_data_length(header) or 0)
+    if declared > size:
+        return f"the file is shorter than its header says, {size} of {declared} bytes: cut off during a copy or download?"
+    return f"its header is damaged: {str(error).removeprefix('Error while deserializing header: ')}"
+
+
+def _data_length(header: bytes) -> int | None:
+    """How many bytes of tensor data a safetensors header describes; None if it is not a readable header."""
+    try:
+        entries = json.loads(header)
+        return max((int(entry["data_offsets"][1]) for name, entry in entries.items() if name != "__metadata__"), default=0)
+    except (ValueError, TypeError, LookupError, AttributeError):  # a damaged header can hold any JSON, or none
+        return None
 
 
 def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint by HF name, cast and moved, after checking names and shapes."""
     expected = expected_shapes(config)
+    weight_map = read_weight_map(checkpoint)
     tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(checkpoint):
-        wanted = []
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                    continue
-                if name not in expected:
-                    raise UserError(f"unexpected tensor {name} in {path.name}: it is not part of a {config.model_type} model with this config.json")
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise UserError(f"tensor {name} in {path.name} has shape {list(shape)}, config.json implies {list(expected[name])}")
-                wanted.append(name)
-        for name in wanted:
+    for path in safetensors_files(checkpoint, weight_map):
+        for name in _checked_names(path, config, expected, weight_map):
             # Each copy reads the file through a memory map of its own, closed at once: the file
             # pages it touched leave this process's resident memory then, instead of piling up
             # next to the copies (Qwen2.5-0.5B in float32: loading peak 5031 -> 4137 MiB).
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _open_safetensors(path) as f:
                 tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
     missing = [name for name in expected if name not in tensors]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"tensor {missing[0]}{more} missing from {checkpoint}; shape expected {list(expected[missing[0]])}")
     return tensors
+
+
+def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], weight_map: dict[str, str] | None) -> list[str]:
+    """The tensors of one file that the model takes, each checked against the index, the architecture and its shape."""
+    wanted = []
+    with _open_safetensors(path) as f:
+        for name in f.keys():
+            # An index that places a tensor elsewhere was written for other shards: files from two downloads.
+            if weight_map is not None and weight_map.get(name) != path.name:
+                where = f"puts it in {weight_map[name]}" if name in weight_map else "does not list it"
+                raise UserError(
+                    f"{INDEX} in {path.parent} does not match its shards: {path.name} holds {name}, but the index {where}; "
+                    "download or copy the checkpoint again"
+                )
+            if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue
+            if name not in expected:
+                raise UserError(f"unexpected tensor {name} in {path.name}: it is not part of a {config.model_type} model with this config.json")
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != expected[name]:
+                raise UserError(f"tensor {name} in {path.name} has shape {list(shape)}, config.json implies {list(expected[name])}")
+            wanted.append(name)
+    return wanted
 
 
 def fuse(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

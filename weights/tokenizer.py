@@ -7,6 +7,7 @@ Everything here is meant to give exactly what transformers gives for the same fo
 from __future__ import annotations
 
 import json
+import reprlib
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -16,11 +17,16 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import __version__ as _TOKENIZERS_VERSION
 
 from models.errors import UserError
 
 # Names a message's reasoning may come under; transformers copies it to "reasoning_content" and "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# The special tokens transformers refuses to load unless they are text (or an AddedToken).
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# What to do about a damaged file of a checkpoint.
+_FETCH_AGAIN = "download or copy it again (a folder imported from a GGUF file: delete it and import it again)"
 
 
 class Tokenizer:
@@ -51,12 +57,17 @@ class Tokenizer:
         try:
             tok = _HFTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # the Rust side raises a bare Exception
-            raise UserError(f"cannot read {tokenizer_file} ({e}); re-download the checkpoint's tokenizer") from e
-        config = _read_json(path / "tokenizer_config.json")
+            raise _unreadable_tokenizer(tokenizer_file, e) from e
+        config_file = path / "tokenizer_config.json"
+        config = _read_json(config_file)
+        _check_special_tokens(config, config_file)
+        _check_added_tokens(config, config_file)
 
         # Like transformers: a legacy special_tokens_map.json only counts without added_tokens_decoder.
         if "added_tokens_decoder" not in config:
-            config.update(_read_json(path / "special_tokens_map.json"))
+            tokens_map = _read_json(path / "special_tokens_map.json")
+            _check_special_tokens(tokens_map, path / "special_tokens_map.json")
+            config.update(tokens_map)
         # Every "*_token" string (bos_token, eos_token, pad_token, model-specific ones like image_token)
         # is a template variable in transformers.
         special = {}
@@ -64,16 +75,13 @@ class Tokenizer:
             if key.endswith("_token") and (content := _token_content(value)) is not None:
                 special[key] = content
 
-        template = config.get("chat_template")
-        if isinstance(template, list):  # several named templates: transformers uses "default"
-            template = {t["name"]: t["template"] for t in template}.get("default")
+        template = _chat_template(config, config_file)
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            template = _read_text(path / "chat_template.jinja")
 
         eos: set[int] = set()
         for name in ("generation_config.json", "config.json"):
-            value = _read_json(path / name).get("eos_token_id")
-            eos.update([value] if isinstance(value, int) else value or [])
+            eos.update(_eos_ids(path / name))
         if not eos and "eos_token" in special and (eos_id := tok.token_to_id(special["eos_token"])) is not None:
             eos.add(eos_id)
         return cls(tok, template, special, frozenset(eos))
@@ -89,9 +97,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of a plain prompt, with the special tokens the tokenizer's post-processor adds (BOS...)."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a plain prompt, with the special tokens the tokenizer's post-processor adds (BOS...)
+        unless add_special_tokens is False (text that continues a chat the template rendered)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the ids, special tokens left out (as transformers' decode(skip_special_tokens=True))."""
@@ -159,13 +168,87 @@ class StreamDecoder:
         return text[len(context) :]
 
 
+def _damaged(path: Path, problem: str) -> UserError:
+    return UserError(f"{path.name} in {path.parent} is damaged ({problem}); {_FETCH_AGAIN}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise _damaged(path, f"it is not UTF-8 text: {e}") from e
+
+
 def _read_json(path: Path) -> dict:
+    """The JSON object in the file; {} when there is no such file."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); fix or re-download the checkpoint") from e
+        raise _damaged(path, _json_problem(e)) from e
+    if not isinstance(value, dict):
+        raise _damaged(path, f"its top level is {reprlib.repr(value)}, not a JSON object")
+    return value
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    # A file cut short fails at its very end, or in a string that never closes.
+    if error.pos >= len(error.doc.rstrip()) or error.msg.startswith("Unterminated string"):
+        return f"its JSON stops after {len(error.doc)} characters: cut off during a copy or download?"
+    return f"not valid JSON: {error}"
+
+
+def _unreadable_tokenizer(path: Path, error: Exception) -> UserError:
+    """Why `tokenizers` refused tokenizer.json: broken JSON (most often cut short), or JSON of another shape."""
+    try:
+        json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        return _damaged(path, _json_problem(e))
+    return UserError(
+        f"{path.name} in {path.parent} is not a tokenizer that tokenizers {_TOKENIZERS_VERSION} can read ({error}); "
+        f"{_FETCH_AGAIN} (or upgrade tokenizers, if the checkpoint is newer than it)"
+    )
+
+
+def _check_special_tokens(config: dict, path: Path) -> None:
+    """Refuse a special token that is neither text nor a token dict with a "content" string, as transformers
+    does. Other "*_token" keys are not always tokens (add_bos_token is a flag), so only these are checked."""
+    extra = config.get("extra_special_tokens")
+    if extra is not None and not isinstance(extra, (list, dict)):
+        raise _damaged(path, f"extra_special_tokens is {reprlib.repr(extra)}, neither a list nor a mapping of tokens")
+    named = {**{key: config.get(key) for key in _SPECIAL_TOKENS}, **_dict_or_empty(extra)}
+    for key, value in named.items():
+        if value is not None and _token_content(value) is None:
+            raise _damaged(path, f"{key} is {reprlib.repr(value)}, neither a token string nor a token with a \"content\" string")
+
+
+def _check_added_tokens(config: dict, path: Path) -> None:
+    # Only its presence matters here (tokenizer.json holds the added tokens), but transformers refuses a malformed one.
+    added = config.get("added_tokens_decoder", {})
+    if not isinstance(added, dict) or not all(isinstance(token, dict) for token in added.values()):
+        raise _damaged(path, "added_tokens_decoder is not a mapping from token ids to tokens")
+
+
+def _chat_template(config: dict, path: Path) -> str | None:
+    """The chat template: text, or the one named "default" among several (a list of {name, template}, or a dict)."""
+    template = config.get("chat_template")
+    if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) and "template" in t for t in template):
+        template = {t["name"]: t["template"] for t in template}
+    if isinstance(template, dict):  # transformers uses "default"
+        template = template.get("default")
+    if template is not None and not isinstance(template, str):
+        raise _damaged(path, f"chat_template is {reprlib.repr(template)}, neither text nor a list of named templates")
+    return template
+
+
+def _eos_ids(path: Path) -> list[int]:
+    """The eos_token_id of a config file: one id, a list of ids, or none."""
+    value = _read_json(path).get("eos_token_id")
+    ids = [value] if isinstance(value, int) else value or []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _damaged(path, f"eos_token_id is {reprlib.repr(value)}, neither a token id nor a list of ids")
+    return ids
 
 
 def _dict_or_empty(value: Any) -> dict:
