@@ -55,7 +55,9 @@ class CompressionManager:
         self.query_slot = torch.full((1,), self.n_beacon, dtype=torch.int64, device=cache.k.device)
         self.steps = 0  # decode steps so far, each of which recorded one query (host count)
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
-        self.kept_positions: torch.Tensor | None = None  # [L, B, H_kv, budget] positions of the kept slots
+        # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
+        self.kept_positions = torch.zeros(L, B, cache.k.shape[2], config.budget, dtype=torch.int64, device=cache.k.device)
+        self.compacted = False
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
 
@@ -64,7 +66,7 @@ class CompressionManager:
         self.queries.zero_()
         self.query_slot.fill_(self.n_beacon)
         self.steps = self.generated = 0
-        self.kept_positions = None
+        self.compacted = False
 
     def record(self, queries: torch.Tensor) -> None:
         """Called inside the decode step with that step's queries [L, B, H, 1, D]."""
@@ -151,7 +153,8 @@ class CompressionManager:
         positions = self.slot_positions()
         compact_in_place([cache.k, cache.v, positions], cache.prompt_length, keep, n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
-        self.kept_positions = positions.gather(3, kept_slots.expand(L, B, H_kv, config.budget))
+        torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
+        self.compacted = True
         cache.length.copy_(cache.prompt_length + config.budget + config.window)
         self.generated = config.budget + config.window
         self._sync()
@@ -170,7 +173,7 @@ class CompressionManager:
         positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
         positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)
         positions = positions[None, :, None, :].expand(L, B, H_kv, S).clone()
-        if self.kept_positions is not None:
+        if self.compacted:
             kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(self.config.budget, device=slots.device)
             positions.scatter_(3, kept_slots.expand_as(self.kept_positions), self.kept_positions)
         return positions

@@ -180,3 +180,26 @@ def test_bad_compression_options_are_refused():
         CompressionConfig(policy="beacon", budget=0)
     with pytest.raises(UserError, match="unknown --kv-aggregation"):
         CompressionConfig(aggregation="median")
+
+
+def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
+    """The cache and every tensor the manager keeps: the same storages and the same bytes after
+    the first compaction and after many more, so a long run's memory cannot grow with its tokens."""
+    from engine.generation import Session
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, torch.device("cpu"))
+    config = CompressionConfig(policy="beacon", budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
+    session = Session(model, 2, config.slots_needed(9, 10_000), frozenset(), compression=config)
+    session.prefill([[5] * 9, [7] * 6])
+
+    def held() -> dict[str, tuple[int, int]]:
+        tensors = {**vars(session.cache), **{k: v for k, v in vars(session.manager).items() if isinstance(v, torch.Tensor)}}
+        return {name: (t.untyped_storage().data_ptr(), t.nbytes) for name, t in tensors.items()}
+
+    while session.stats.compactions < 1:
+        session.step()
+    after_first = held()
+    while session.stats.compactions < 40:
+        session.step()
+    assert held() == after_first
+    assert session.manager.generated <= config.budget_max + config.window
