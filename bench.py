@@ -58,12 +58,12 @@ from typing import Any, NoReturn
 import torch
 import torch.nn.functional as F
 
+from cli import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
 from compression.config import CompressionConfig
 from compression.manager import CompressionStats
 from engine.generation import generate
 from engine.memory import DecodeTraffic, decode_traffic, memory_high_water, memory_in_use
-from generate import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 from models.transformer import Transformer
 from weights.download import resolve_checkpoint
 from weights.loader import load_model, read_config, stored_dtype

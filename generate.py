@@ -21,20 +21,18 @@ from pathlib import Path
 
 import torch
 
-from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
+from cli import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
+from compression.config import CompressionConfig
 from engine.chat import Conversation
 from engine.generation import GenerationResult, Session, generate
 from engine.sampling import SamplingConfig
 from engine.stop_strings import StopStrings
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 from weights.download import resolve_checkpoint
 from weights.generation_config import sampling_defaults
 from weights.loader import load_model, stored_dtype
 from weights.packaged import smollm2_checkpoint
 from weights.tokenizer import StreamDecoder, Tokenizer
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,47 +80,6 @@ def sampling_config(args: argparse.Namespace, checkpoint_defaults: dict[str, flo
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return SamplingConfig(**values)
-
-
-def add_compression_args(p: argparse.ArgumentParser) -> None:
-    d = CompressionConfig()
-    g = p.add_argument_group("KV-cache compression")
-    g.add_argument("--kv-policy", choices=POLICIES, default=d.policy, help="which generated tokens stay in the cache (none: all of them)")
-    g.add_argument("--kv-budget", type=int, default=d.budget, help="generated tokens kept by a compaction, the recent window excluded")
-    g.add_argument("--kv-hysteresis", type=int, default=d.hysteresis, help="compaction starts when the kept part exceeds budget + this")
-    g.add_argument("--kv-window", type=int, default=d.window, help="most recent tokens, never evicted")
-    g.add_argument("--n-beacon", type=int, default=d.n_beacon, help="BeaconKV: beacon queries per layer and head")
-    g.add_argument("--n-recent", type=int, default=d.n_recent, help="recent queries that score the cache (all policies that use queries)")
-    g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
-
-
-def compression_config(args: argparse.Namespace) -> CompressionConfig:
-    return CompressionConfig(
-        policy=args.kv_policy,
-        budget=args.kv_budget,
-        hysteresis=args.kv_hysteresis,
-        window=args.kv_window,
-        n_beacon=args.n_beacon,
-        n_recent=args.n_recent,
-        aggregation=args.kv_aggregation,
-        seed=args.seed,
-    )
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device cuda was requested but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    dtype = DTYPES.get(checkpoint_dtype or "", torch.float32)
-    # float16 matmuls are emulated and slow on CPU; bfloat16 has the same size and native kernels.
-    return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

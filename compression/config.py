@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from models.errors import UserError
+from errors import UserError
 
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "random")
 AGGREGATIONS = ("max", "mean", "lse")

@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.errors import UserError
+from errors import UserError
 from weights.tokenizer import Tokenizer
 
 TRACE_REQUEST = (

@@ -53,7 +53,7 @@ from compression.manager import CompressionManager, CompressionStats
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 from models.transformer import Transformer, apply_rope
 from weights.loader import load_model
 from weights.packaged import CHECKPOINTS, QWEN_CODER_NAME, SMOLLM2_NAME

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.generation import OnTokens, Session, decode
-from models.errors import UserError
+from errors import UserError
 
 
 class ChatTokenizer(Protocol):

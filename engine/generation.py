@@ -18,7 +18,7 @@ from engine.cuda_graph import capture_decode_step
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig, sample, seen_tokens
-from models.errors import UserError
+from errors import UserError
 from models.transformer import Transformer
 
 # Called after every step with each row's new token (None for a row that has finished); it

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.errors import UserError
+from errors import UserError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from engine.decode import decode_step, prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
-from models.errors import UserError
+from errors import UserError
 from weights.loader import load_model
 
 CPU = torch.device("cpu")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import generate
 import weights.packaged
-from models.errors import UserError
+from errors import UserError
 from test_gguf import write_gguf
 from tiny_tokenizer import write_tiny_tokenizer
 from weights.gguf import import_gguf

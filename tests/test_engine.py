@@ -5,7 +5,7 @@ import torch
 
 from engine.generation import generate
 from engine.sampling import SamplingConfig
-from models.errors import UserError
+from errors import UserError
 from weights.loader import load_model
 
 CPU = torch.device("cpu")

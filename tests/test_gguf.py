@@ -16,7 +16,7 @@ import transformers
 from tokenizers import Tokenizer
 
 import weights.gguf as wg
-from models.errors import UserError
+from errors import UserError
 from tiny_tokenizer import CHATML_TEMPLATE, build_tiny_tokenizer
 from weights.gguf import import_gguf
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
-from models.errors import UserError
+from errors import UserError
 from weights.loader import fuse, load_model, read_checked_tensors, read_config
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import transformers
 from tokenizers import Tokenizer
 
 import weights.packaged as packaged
-from models.errors import UserError
+from errors import UserError
 from weights.download import resolve_checkpoint
 
 TEXTS = [

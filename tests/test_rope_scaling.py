@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.generation import generate
 from models.config import ModelConfig
-from models.errors import UserError
+from errors import UserError
 from models.rope import attention_factor, rope_inverse_frequencies, rope_tables
 from tiny_checkpoints import COMMON
 from weights.loader import load_model

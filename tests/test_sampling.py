@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.sampling import SamplingConfig, filter_logits, penalise_repetition, sample, seen_tokens
-from models.errors import UserError
+from errors import UserError
 
 
 def allowed_tokens(logits: list[float], temperature: float, top_k: int, top_p: float) -> set[int]:

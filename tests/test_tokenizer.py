@@ -8,7 +8,7 @@ import pytest
 from tiny_tokenizer import CHATML_BOS_TEMPLATE, CHATML_TEMPLATE, write_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from models.errors import UserError
+from errors import UserError
 from weights.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = [

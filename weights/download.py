@@ -27,7 +27,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 
 # Exactly what weights.loader and weights.tokenizer open. Not "*.safetensors": some repos also carry
 # a second copy of the weights (e.g. Mistral's consolidated.safetensors), which would double the download.

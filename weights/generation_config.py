@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from models.errors import UserError
+from errors import UserError
 
 # The fields that choose how tokens are picked, and the value transformers' GenerationConfig
 # assumes for each one a file leaves out.

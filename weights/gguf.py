@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tqdm import tqdm
 
 from models.config import ModelConfig
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 from weights.loader import expected_shapes
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.errors import UserError
+from errors import UserError
 from models.linear import lay_out_for_cpu_float32
 from models.transformer import Transformer
 

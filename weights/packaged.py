@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models.errors import UserError, run_command
+from errors import UserError, run_command
 from weights.gguf import CHECKPOINT_FILES, DTYPES, import_gguf
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"

@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
-from models.errors import UserError
+from errors import UserError
 
 # Names a message's reasoning may come under; transformers copies it to "reasoning_content" and "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

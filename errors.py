@@ -1,3 +1,5 @@
+"""The one error type every layer raises for bad input, and how the command-line tools report it."""
+
 import sys
 from collections.abc import Callable
 

@@ -1,0 +1,51 @@
+"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy options."""
+
+import argparse
+
+import torch
+
+from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
+from errors import UserError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def add_compression_args(p: argparse.ArgumentParser) -> None:
+    d = CompressionConfig()
+    g = p.add_argument_group("KV-cache compression")
+    g.add_argument("--kv-policy", choices=POLICIES, default=d.policy, help="which generated tokens stay in the cache (none: all of them)")
+    g.add_argument("--kv-budget", type=int, default=d.budget, help="generated tokens kept by a compaction, the recent window excluded")
+    g.add_argument("--kv-hysteresis", type=int, default=d.hysteresis, help="compaction starts when the kept part exceeds budget + this")
+    g.add_argument("--kv-window", type=int, default=d.window, help="most recent tokens, never evicted")
+    g.add_argument("--n-beacon", type=int, default=d.n_beacon, help="BeaconKV: beacon queries per layer and head")
+    g.add_argument("--n-recent", type=int, default=d.n_recent, help="recent queries that score the cache (all policies that use queries)")
+    g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
+
+
+def compression_config(args: argparse.Namespace) -> CompressionConfig:
+    return CompressionConfig(
+        policy=args.kv_policy,
+        budget=args.kv_budget,
+        hysteresis=args.kv_hysteresis,
+        window=args.kv_window,
+        n_beacon=args.n_beacon,
+        n_recent=args.n_recent,
+        aggregation=args.kv_aggregation,
+        seed=args.seed,
+    )
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device cuda was requested but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    dtype = DTYPES.get(checkpoint_dtype or "", torch.float32)
+    # float16 matmuls are emulated and slow on CPU; bfloat16 has the same size and native kernels.
+    return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
