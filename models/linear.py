@@ -34,14 +34,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def lay_out_for_cpu_float32(model: nn.Module) -> None:
-    """Store the weight of every Linear with more outputs than inputs column-major: the same
-    [out, in] tensor, its memory laid out as [in, out]. Batch-1 float32 products on CPU read
-    such a wide matrix faster that way (one core of an AVX2 EPYC: a 49152x576 LM head 16.5 ->
-    9.2 ms), a tall one (a down projection) slower (896x4864: 1.27 -> 1.75 ms). Against all
-    column-major, this rule took a Qwen2.5-0.5B decode step from 256 to 239 ms and its
-    128-token prefill from 1.57 to 1.45 s (SmolLM2: 86 -> 84 ms). The 16-bit kernels are
-    fastest with the checkpoint's row-major layout, which they keep."""
-    for module in model.modules():
-        if isinstance(module, Linear) and module.out_features > module.in_features:
-            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+def column_major_on_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a float32 weight [out, in] is stored column-major (its memory laid out as [in, out]):
+    batch-1 float32 products on CPU read a wide matrix (more outputs than inputs) faster that way
+    and a tall one slower (docs/performance.md). The 16-bit kernels are fastest with the
+    checkpoint's row-major layout, which they keep."""
+    return device.type == "cpu" and dtype == torch.float32 and len(shape) == 2 and shape[0] > shape[1]

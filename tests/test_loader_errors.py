@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
 from errors import UserError
-from weights.loader import fuse, load_model, read_checked_tensors, read_config
+from weights.loader import load_model, read_config
 
 CPU = torch.device("cpu")
 
@@ -157,16 +157,3 @@ def test_config_missing_field_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
     with pytest.raises(UserError, match="has no 'num_attention_heads' field"):
         ModelConfig.from_file(tmp_path / "config.json")
-
-
-@pytest.mark.parametrize("kind", ["llama_bias", "qwen2"])
-def test_fusing_lets_go_of_every_original(tiny_checkpoint, kind):
-    """fuse empties the tensors it was given as it goes: a fused copy never waits next to its
-    originals for the whole model (this took Qwen2.5-0.5B's float32 loading peak 4137 -> 3268 MiB)."""
-    folder, _ = tiny_checkpoint(kind)
-    config = read_config(folder)
-    tensors = read_checked_tensors(folder, config, torch.float32, CPU)
-    count = len(tensors)
-    state = fuse(tensors, config)
-    assert tensors == {}
-    assert len(state) < count  # fused: fewer, larger tensors

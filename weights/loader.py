@@ -2,7 +2,8 @@
 
 Strict by design: every tensor the architecture needs must be present with the right shape,
 and every tensor in the files must be used. The q/k/v and gate/up projections are fused here,
-once, so that a decode step runs one matmul where transformers runs three.
+once, so that a decode step runs one matmul where transformers runs three. A tensor the model
+uses as the file holds it stays in the memory-mapped file; every other one is copied in blocks.
 """
 
 import json
@@ -11,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models.config import ModelConfig
 from errors import UserError
-from models.linear import lay_out_for_cpu_float32
+from models.config import ModelConfig
+from models.linear import column_major_on_cpu
 from models.transformer import Transformer
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
@@ -133,23 +134,16 @@ def _data_length(header: bytes) -> int | None:
         return None
 
 
-def read_checked_tensors(checkpoint: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint by HF name, cast and moved, after checking names and shapes."""
+def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
+    """The file of every tensor the model takes, by HF name, after checking names and shapes."""
     expected = expected_shapes(config)
     weight_map = read_weight_map(checkpoint)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(checkpoint, weight_map):
-        for name in _checked_names(path, config, expected, weight_map):
-            # Each copy reads the file through a memory map of its own, closed at once: the file
-            # pages it touched leave this process's resident memory then, instead of piling up
-            # next to the copies (Qwen2.5-0.5B in float32: loading peak 5031 -> 4137 MiB).
-            with _open_safetensors(path) as f:
-                tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
-    missing = [name for name in expected if name not in tensors]
+    located = {name: path for path in safetensors_files(checkpoint, weight_map) for name in _checked_names(path, config, expected, weight_map)}
+    missing = [name for name in expected if name not in located]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"tensor {missing[0]}{more} missing from {checkpoint}; shape expected {list(expected[missing[0]])}")
-    return tensors
+    return located
 
 
 def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], weight_map: dict[str, str] | None) -> list[str]:
@@ -175,41 +169,96 @@ def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[in
     return wanted
 
 
-def fuse(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to the engine's modules, concatenating q|k|v and gate|up. Empties hf as it
-    goes, so that each layer's unfused originals are freed once their fused copy exists."""
-    state = {"embed.weight": hf.pop("model.embed_tokens.weight"), "norm.weight": hf.pop("model.norm.weight")}
-    state["lm_head.weight"] = state["embed.weight"] if config.tie_word_embeddings else hf.pop("lm_head.weight")
+def engine_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Each engine tensor and the HF tensors it is made of, concatenated along rows: q|k|v and
+    gate|up become one matrix each, so that a decode step runs one matmul where transformers runs three."""
+    sources = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    sources["lm_head.weight"] = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     for i in range(config.n_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        state[dst + "attn.wqkv.weight"] = torch.cat([hf.pop(attn + p + "_proj.weight") for p in "qkv"])
+        sources[dst + "attn.wqkv.weight"] = [attn + p + "_proj.weight" for p in "qkv"]
+        sources[dst + "attn.wo.weight"] = [attn + "o_proj.weight"]
+        sources[dst + "mlp.w_gate_up.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        sources[dst + "mlp.w_down.weight"] = [mlp + "down_proj.weight"]
         if config.qkv_bias:
-            state[dst + "attn.wqkv.bias"] = torch.cat([hf.pop(attn + p + "_proj.bias") for p in "qkv"])
-        state[dst + "attn.wo.weight"] = hf.pop(attn + "o_proj.weight")
+            sources[dst + "attn.wqkv.bias"] = [attn + p + "_proj.bias" for p in "qkv"]
         if config.o_bias:
-            state[dst + "attn.wo.bias"] = hf.pop(attn + "o_proj.bias")
-        if config.qk_norm:
-            state[dst + "attn.q_norm.weight"] = hf.pop(attn + "q_norm.weight")
-            state[dst + "attn.k_norm.weight"] = hf.pop(attn + "k_norm.weight")
-        state[dst + "mlp.w_gate_up.weight"] = torch.cat([hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")])
-        state[dst + "mlp.w_down.weight"] = hf.pop(mlp + "down_proj.weight")
+            sources[dst + "attn.wo.bias"] = [attn + "o_proj.bias"]
         if config.mlp_bias:
-            state[dst + "mlp.w_gate_up.bias"] = torch.cat([hf.pop(mlp + "gate_proj.bias"), hf.pop(mlp + "up_proj.bias")])
-            state[dst + "mlp.w_down.bias"] = hf.pop(mlp + "down_proj.bias")
-        state[dst + "attn_norm.weight"] = hf.pop(src + "input_layernorm.weight")
-        state[dst + "mlp_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
-    return state
+            sources[dst + "mlp.w_gate_up.bias"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
+            sources[dst + "mlp.w_down.bias"] = [mlp + "down_proj.bias"]
+        if config.qk_norm:
+            sources[dst + "attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            sources[dst + "attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        sources[dst + "attn_norm.weight"] = [src + "input_layernorm.weight"]
+        sources[dst + "mlp_norm.weight"] = [src + "post_attention_layernorm.weight"]
+    return sources
+
+
+# A copy goes through the file in blocks of about this size, each through a memory map of its own
+# closed at once: the file pages a block touched leave the process with the map, so loading holds
+# the model plus one block, not the model plus the file.
+COPY_BLOCK_BYTES = 64 << 20
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def read_as_stored(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors used exactly as the file holds them: views of one memory map of the file, kept open.
+    Only the pages the model reads become resident (an embedding table: the rows it looks up), as
+    with transformers' own loading."""
+    with _open_safetensors(path) as f:
+        return {name: f.get_tensor(name) for name in names}
+
+
+def read_copy(located: dict[str, Path], names: list[str], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, column_major: bool) -> torch.Tensor:
+    """The HF tensors `names`, concatenated along rows, cast, in a tensor of the engine's own."""
+    if column_major:  # the same [out, in] tensor, its memory laid out as [in, out]
+        out = torch.empty(shape[::-1], dtype=dtype, device=device).t()
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    row = 0
+    for name in names:
+        path = located[name]
+        with _open_safetensors(path) as f:
+            rows = f.get_slice(name).get_shape()[0]
+        block = max(1, COPY_BLOCK_BYTES // max(1, out[0].numel() * out.element_size()))
+        for start in range(0, rows, block):
+            stop = min(rows, start + block)
+            with _open_safetensors(path) as f:
+                out[row + start : row + stop].copy_(f.get_slice(name)[start:stop])
+        row += rows
+    return out
+
+
+def read_state(located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every engine tensor: a view of the file where the file holds it as the model uses it (one HF
+    tensor, the same dtype, a CPU model, the checkpoint's row-major layout), a copy otherwise."""
+    expected = expected_shapes(config)
+    linears = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
+    as_stored: dict[Path, list[str]] = {}
+    copies: dict[str, torch.Tensor] = {}
+    plan: dict[str, str] = {}
+    for name, sources in engine_sources(config).items():
+        shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
+        column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
+        with _open_safetensors(located[sources[0]]) as f:
+            file_dtype = SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype())
+        if len(sources) == 1 and not column_major and device.type == "cpu" and file_dtype == dtype:
+            as_stored.setdefault(located[sources[0]], []).append(sources[0])
+            plan[name] = sources[0]
+        else:
+            copies[name] = read_copy(located, sources, shape, dtype, device, column_major)
+    views = {hf_name: t for path, names in as_stored.items() for hf_name, t in read_as_stored(path, names).items()}
+    return {name: copies[name] if name in copies else views[plan[name]] for name in engine_sources(config)}
 
 
 def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
     config = read_config(checkpoint)
-    hf = read_checked_tensors(checkpoint, config, dtype, device)
+    state = read_state(locate_tensors(checkpoint, config), config, dtype, device)
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
         model = Transformer(config)
-    model.load_state_dict(fuse(hf, config), assign=True, strict=True)
-    if dtype == torch.float32 and device.type == "cpu":
-        lay_out_for_cpu_float32(model)
+    model.load_state_dict(state, assign=True, strict=True)
     if config.tie_word_embeddings:
         model.embed.weight = model.lm_head.weight  # one tensor, in the LM head's layout
     return model.to(device).requires_grad_(False).eval()
