@@ -1,10 +1,18 @@
 """What a decode step must read, and how much memory a process has held.
 
-The byte count is a model of the traffic no decode step can avoid, not a measurement: every
-weight once per step (shared by the batch), plus each row's K/V for the cache slots in use.
-The engine's step (and transformers' static cache) actually run attention over every allocated
+Bytes per decode token: every weight once per step (the LM head in full even when it is tied to
+the embedding, of which only B rows are read), plus each row's K/V for the cache slots in use,
+averaged over the decode, divided by the batch. Achieved GB/s is that times decode tok/s.
+The byte count is a model of the traffic no decode step can avoid, not a measurement. The
+engine's step (and transformers' static cache) actually run attention over every allocated
 slot, masked, so their real traffic is somewhat higher; counting only the slots in use keeps the
 figure the same for every system, which is what makes achieved GB/s comparable between them.
+
+Peak memory: on CPU the process's resident high-water mark, which includes Python, torch and,
+for the transformers systems, the transformers library (the report's `before loading` shows that
+part); on CUDA, torch's peak allocation on the device. Loading a checkpoint stored in another
+dtype can set the peak (file pages and converted copies at once); the memory held after the
+trials is the steady state.
 """
 
 import resource

@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.transformer import apply_rope
+from models.rope import apply_rope
 
 
 def rotate_to_position(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -16,7 +17,11 @@ import pytest
 import torch
 
 import bench
+from benchmark.systems import load_engine, load_transformers
+from benchmark.workers import Loaded, serve, timed_in_turn
+from benchmark.workload import Trial, Workload
 from compression.config import CompressionConfig
+from errors import UserError
 
 SYSTEMS = ("engine", "transformers", "transformers_static")
 FIELDS = ("decode_tok_s", "ttft_s", "prefill_tok_s", "gb_per_s", "peak_mem_mib", "kv_cache_mib")
@@ -148,7 +153,7 @@ def test_help_lists_every_option(capsys):
         bench.main(["--help"])
     assert exit.value.code == 0
     shown = capsys.readouterr().out
-    assert all(option in shown for option in ("--compile", "--ceiling", "--kv-policy", "--sweep", "16% more"))
+    assert all(option in shown for option in ("--compile", "--ceiling", "--kv-policy", "--sweep", "(%)"))
 
 
 def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
@@ -170,30 +175,30 @@ def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     assert cost["refreshes"] > 0 and cost["refresh_ms"] > 0
 
 
-def load_wall_clock(w: bench.Workload, fail: str | None = None) -> bench.Loaded:
+def load_wall_clock(w: Workload, fail: str | None = None) -> Loaded:
     """A stand-in system whose every trial reports the wall-clock time it ran at, as its TTFT;
     or one that fails as asked: a bad input, a bug, or a process that dies in its first trial."""
     if fail == "user":
-        raise bench.UserError("no such checkpoint")
+        raise UserError("no such checkpoint")
     if fail == "bug":
         raise ValueError("a bug in the loader")
 
-    def measure() -> bench.Trial:
+    def measure() -> Trial:
         if fail == "crash":
             os._exit(1)
-        return bench.Trial(time.time(), 1.0, 1)
+        return Trial(time.time(), 1.0, 1)
 
-    return bench.Loaded(measure, lambda: "extras")
+    return Loaded(measure, lambda: "extras")
 
 
-def workload(trials: int) -> bench.Workload:
-    return bench.Workload(Path("."), torch.float32, torch.device("cpu"), [[1]], 2, trials, False, False, CompressionConfig())
+def workload(trials: int) -> Workload:
+    return Workload(Path("."), torch.float32, torch.device("cpu"), [[1]], 2, trials, False, False, CompressionConfig())
 
 
 def test_the_systems_take_their_trials_in_turn():
     """Round i runs one trial of each system, the i-th first: drift over minutes falls on every system alike."""
     systems = {name: (load_wall_clock, ()) for name in ("a", "b", "c")}
-    runs = bench.timed_in_turn(workload(4), systems)
+    runs = timed_in_turn(workload(4), systems)
     ran_at = sorted((trial.ttft_s, name) for name, (run, _) in runs.items() for trial in run.trials)
     assert [name for _, name in ran_at] == list("abc" "bca" "cab" "abc")
     assert all(extras == "extras" and len(run.trials) == 4 for run, extras in runs.values())
@@ -202,13 +207,19 @@ def test_the_systems_take_their_trials_in_turn():
 @pytest.mark.parametrize(
     "fail, error, message",
     [
-        ("user", bench.UserError, "no such checkpoint"),
+        ("user", UserError, "no such checkpoint"),
         ("bug", RuntimeError, "ValueError: a bug in the loader"),
-        ("crash", bench.UserError, "the broken benchmark process died"),
+        ("crash", UserError, "the broken benchmark process died"),
     ],
 )
 def test_a_failing_system_stops_the_benchmark_with_its_error(fail, error, message):
     systems = {"fine": (load_wall_clock, ()), "broken": (load_wall_clock, (fail,))}
     with pytest.raises(error, match=message):
-        bench.timed_in_turn(workload(2), systems)
+        timed_in_turn(workload(2), systems)
     assert not multiprocessing.active_children()  # the other system's process is gone too
+
+
+def test_what_a_worker_runs_pickles_by_its_module_path():
+    """Spawn sends a worker's target and loader by module path: each must be found where it is defined."""
+    for function in (serve, load_engine, load_transformers):
+        assert function.__module__.startswith("benchmark.") and pickle.loads(pickle.dumps(function)) is function

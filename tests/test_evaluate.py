@@ -1,4 +1,4 @@
-"""The evaluation harness (compression/evaluate.py) on tiny random checkpoints."""
+"""The evaluation harness (evaluate.py and evaluation/) on tiny random checkpoints."""
 
 import json
 import math
@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression import evaluate
+import evaluate
 from compression.config import POLICIES, CompressionConfig
-from compression.eval_tasks import Row
+from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
+from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
+from evaluation.runs import Batch, Compaction, recorder, run_all, run_from_start
+from evaluation.tasks import Row
 from engine.decode import prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
@@ -34,22 +37,22 @@ def tiny_model(tiny_folder):
     return load_model(tiny_folder, torch.float32, CPU)
 
 
-def random_batch(lengths=(7, 12, 9), length=60, free=(False, False, True), seed=0) -> evaluate.Batch:
+def random_batch(lengths=(7, 12, 9), length=60, free=(False, False, True), seed=0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     rows = []
     for n, is_free in zip(lengths, free):
         prompt = torch.randint(3, 380, (n,), generator=g).tolist()
         forced = [] if is_free else torch.randint(3, 380, (length,), generator=g).tolist()
         rows.append(Row("continuation" if is_free else "text", prompt, forced))
-    return evaluate.Batch(rows, length)
+    return Batch(rows, length)
 
 
-def small_config(folder: Path, budget: int = 10, **overrides) -> evaluate.EvalConfig:
+def small_config(folder: Path, budget: int = 10, **overrides) -> EvalConfig:
     fields = dict(
         checkpoint=folder, policies=tuple(p for p in POLICIES if p != "none"), budgets=(budget,), hysteresis=4, window=4,
-        n_beacon=4, n_recent=4, aggregation="max", tasks=evaluate.TASKS, dtype="float32", out=Path("unused"), sizes=evaluate.QUICK,
+        n_beacon=4, n_recent=4, aggregation="max", tasks=TASKS, dtype="float32", out=Path("unused"), sizes=QUICK,
     )  # fmt: skip
-    return evaluate.EvalConfig(**(fields | overrides))
+    return EvalConfig(**(fields | overrides))
 
 
 def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
@@ -62,7 +65,7 @@ def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "results.md").read_text() + "\n" == out
     assert (tmp_path / "quality_vs_budget.png").stat().st_size > 10_000
     data = json.loads((tmp_path / "results.json").read_text())
-    budget = str(evaluate.QUICK_COMPRESSION[0][0])
+    budget = str(QUICK_COMPRESSION[0][0])
     for policy in POLICIES[1:]:
         assert 0 <= data["retrieval"][policy][budget]["success"] <= 1
         assert 0 <= data["attention"][policy][budget]["evictable"] <= 1
@@ -84,7 +87,7 @@ def test_a_missing_packaged_model_names_the_command_that_makes_it(monkeypatch, t
 def test_teacher_forcing_gives_the_log_probs_of_one_prefill_over_the_stream(tiny_folder, tiny_model):
     model = tiny_model
     batch = random_batch(free=(False, False, False))
-    state, _ = evaluate.run_from_start(model, batch, evaluate.recorder(small_config(tiny_folder), batch))
+    state, _ = run_from_start(model, batch, recorder(small_config(tiny_folder), batch))
     for b, row in enumerate(batch.rows):
         sequence = row.prompt + row.forced
         cache = KVCache.allocate(model.config, 1, len(sequence), torch.float32, CPU)
@@ -99,8 +102,8 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
     model = tiny_model
     batch = random_batch()
     config = small_config(tiny_folder)
-    compression = evaluate.recorder(config, batch) if policy == "none" else config.compression(policy, 10)
-    state, compactions = evaluate.run_from_start(model, batch, compression)
+    compression = recorder(config, batch) if policy == "none" else config.compression(policy, 10)
+    state, compactions = run_from_start(model, batch, compression)
     alone = generate(model, [batch.prompts[2]], batch.length, frozenset(), compression=compression if policy != "none" else CompressionConfig())
     assert state.predicted[2].tolist() == alone.tokens[0]
     assert len(compactions) == (0 if policy == "none" else alone.compression.compactions)
@@ -110,9 +113,9 @@ def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tin
     model = tiny_model
     batch = random_batch()
     config = small_config(tiny_folder, policies=("beacon", "rpc", "tova"))
-    runs = evaluate.run_all(model, batch, config, lambda budget, runs: None)
+    runs = run_all(model, batch, config, lambda budget, runs: None)
     for policy in config.policies:
-        state, compactions = evaluate.run_from_start(model, batch, config.compression(policy, 10))
+        state, compactions = run_from_start(model, batch, config.compression(policy, 10))
         resumed = runs[(policy, 10)]
         assert resumed.predicted.tolist() == state.predicted.tolist()
         torch.testing.assert_close(resumed.logprob, state.logprob, atol=1e-5, rtol=0)
@@ -136,11 +139,11 @@ def test_future_attention_recall_matches_brute_force_and_is_one_for_the_full_cac
     G = H // H_kv
     angles = torch.arange(P)[:, None] * torch.rand(D // 2)[None, :]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    full = evaluate.FullAttention(torch.randn(L, B, H, P, D), torch.randn(L, B, H_kv, P, D), cos, sin, torch.tensor([P, P - 1]))
+    full = FullAttention(torch.randn(L, B, H, P, D), torch.randn(L, B, H_kv, P, D), cos, sin, torch.tensor([P, P - 1]))
     prompt_lengths, window = torch.tensor([2, 3]), 2
     next_position = torch.tensor([9, 10])
     kept = torch.rand(L, B, H_kv, P) < 0.5
-    got = evaluate.future_attention_recall(full, [evaluate.Compaction(5, next_position, kept)], [0, 1], prompt_lengths, window, K)
+    got = future_attention_recall(full, [Compaction(5, next_position, kept)], [0, 1], prompt_lengths, window, K)
 
     context, evictable = [], []
     for l in range(L):
@@ -157,11 +160,11 @@ def test_future_attention_recall_matches_brute_force_and_is_one_for_the_full_cac
     assert got.evictable == pytest.approx(sum(evictable) / len(evictable), abs=1e-5)
     assert got.n_compactions == 1
 
-    everything = evaluate.full_cache_compactions([evaluate.Compaction(5, next_position, kept)])
-    assert evaluate.future_attention_recall(full, everything, [0, 1], prompt_lengths, window, K) == evaluate.RecallShares(1.0, 1.0, 1)
+    everything = full_cache_compactions([Compaction(5, next_position, kept)])
+    assert future_attention_recall(full, everything, [0, 1], prompt_lengths, window, K) == RecallShares(1.0, 1.0, 1)
     # A compaction too close to the end of a stream (fewer than K queries follow) is left out.
-    late = evaluate.Compaction(5, torch.tensor([9, P - 2]), kept)
-    assert evaluate.future_attention_recall(full, [late], [0, 1], prompt_lengths, window, K).n_compactions == 0
+    late = Compaction(5, torch.tensor([9, P - 2]), kept)
+    assert future_attention_recall(full, [late], [0, 1], prompt_lengths, window, K).n_compactions == 0
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
@@ -169,7 +172,7 @@ def test_each_compaction_keeps_the_prompt_the_window_and_budget_more_positions(t
     model = tiny_model
     batch = random_batch(free=(False, True, False))
     config = small_config(tiny_folder)
-    _, compactions = evaluate.run_from_start(model, batch, config.compression(policy, 10))
+    _, compactions = run_from_start(model, batch, config.compression(policy, 10))
     assert [c.step for c in compactions] == list(range(config.first_compaction(10), batch.length, config.hysteresis + 1))
     for c in compactions:
         for b, prompt in enumerate(batch.prompts):

@@ -1,0 +1,118 @@
+"""The systems a benchmark compares; each loader runs inside its worker process, loads its model,
+does one warm-up run and returns a Loaded whose measure() times one trial.
+
+- engine: engine.generation.generate. TTFT is the time from the call to the first token on the
+  host (cache allocation, prefill, and on CUDA the graph capture); decode tok/s = batch * decode
+  steps / its decode time, which excludes all of that.
+- transformers: AutoModelForCausalLM.generate, greedy, with its default dynamic cache;
+- transformers_static: the same with cache_implementation="static".
+  generate reports no split of its time, so TTFT is the time of a generate with
+  max_new_tokens=1, and decode tok/s = (N - 1) * batch / (t_N - t_1), where t_N is a generate
+  with max_new_tokens=N.
+"""
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from benchmark.machine import matmul_ceiling_tok_s, synchronize
+from benchmark.memory import DecodeTraffic, decode_traffic
+from benchmark.workers import Loaded
+from benchmark.workload import Trial, Workload, dtype_name, progress
+from compression.manager import CompressionStats
+from engine.generation import generate
+from weights.loader import load_model
+
+
+@dataclass(frozen=True)
+class CompressionCost:
+    """What the engine's KV policy cost in the last trial: medians per event, in milliseconds."""
+
+    compactions: int
+    compaction_ms: float | None
+    refreshes: int
+    refresh_ms: float | None  # BeaconKV's FPS refreshes of the beacon queries
+
+    @classmethod
+    def of(cls, stats: CompressionStats) -> "CompressionCost":
+        def median_ms(seconds: list[float]) -> float | None:
+            return statistics.median(seconds) * 1000 if seconds else None
+
+        return cls(stats.compactions, median_ms(stats.compaction_s), len(stats.refresh_s), median_ms(stats.refresh_s))
+
+
+@dataclass(frozen=True)
+class EngineExtras:
+    """What the engine's worker reports besides its trials."""
+
+    traffic: DecodeTraffic
+    matmul_ceiling_tok_s: float | None
+    compression: CompressionCost | None  # None without a KV policy
+
+
+def load_engine(w: Workload) -> Loaded:
+    progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = load_model(w.checkpoint, w.dtype, w.device)
+    stats: list[CompressionStats | None] = []
+    ceilings: list[float] = []
+
+    def measure() -> Trial:
+        first_token_at: list[float] = []
+
+        def on_tokens(_: list[int | None]) -> None:
+            if not first_token_at:
+                first_token_at.append(time.perf_counter())
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = generate(
+                model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
+                compression=w.compression, cuda_graph=w.device.type == "cuda",
+            )
+        stats.append(result.compression)
+        trial = Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
+        if w.ceiling:  # right after each trial, so that the share compares figures taken together
+            ceilings.append(matmul_ceiling_tok_s(model, w.batch))
+        return trial
+
+    def extras() -> EngineExtras:
+        ceiling = statistics.median(ceilings[1:]) if w.ceiling else None  # the warm-up's is left out, as its trial is
+        compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
+        return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
+
+    progress("engine: warm-up run" + (", which compiles the decode step" if w.compile else ""))
+    measure()
+    return Loaded(measure, extras)
+
+
+def load_transformers(w: Workload, static: bool) -> Loaded:
+    import transformers  # only the transformers processes pay for importing it
+
+    transformers.logging.set_verbosity_error()  # generation-config advice, not results
+    name = "transformers_static" if static else "transformers"
+    progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=w.dtype).to(w.device).eval()
+    ids = torch.tensor(w.prompts, device=w.device)
+    options: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), do_sample=False, return_dict_in_generate=True)
+    if static:
+        options["cache_implementation"] = "static"
+
+    def timed_generate(n: int) -> tuple[float, Any]:
+        synchronize(w.device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **options)
+        synchronize(w.device)
+        return time.perf_counter() - start, out
+
+    def measure() -> Trial:
+        t_1, _ = timed_generate(1)
+        t_n, out = timed_generate(w.new_tokens)
+        kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
+        return Trial(t_1, (w.new_tokens - 1) * w.batch / (t_n - t_1), kv_bytes)
+
+    progress(f"{name}: warm-up run")
+    measure()
+    return Loaded(measure, lambda: None)

@@ -1,0 +1,55 @@
+"""What one evaluation run covers: the tasks, the size of the token streams, the budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from compression.config import CompressionConfig
+
+TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    length: int  # tokens after each prompt: forced, or generated
+    n_traces: int  # reasoning traces (tasks 1 and 2)
+    n_recalls: int  # recalls per trace
+    n_text: int  # chunks of Python source (tasks 2 and 3)
+    text_prompt: int  # their protected prefix, in tokens
+    n_continuations: int  # prompts decoded freely (task 4)
+    continuation_prompt: int
+    future_queries: int  # K of task 2
+
+
+# Sized so that the default run fits a 2-core CPU (the README gives its time per model); --quick is a smoke run.
+FULL = Sizes(length=256, n_traces=5, n_recalls=3, n_text=2, text_prompt=32, n_continuations=2, continuation_prompt=64, future_queries=16)
+QUICK = Sizes(length=144, n_traces=1, n_recalls=1, n_text=1, text_prompt=16, n_continuations=1, continuation_prompt=32, future_queries=4)
+# (budgets, hysteresis, window, n_beacon, n_recent) where the command line does not say.
+FULL_COMPRESSION = ((32, 64, 128), 16, 16, 16, 16)
+QUICK_COMPRESSION = ((16,), 8, 8, 4, 8)
+QUICK_POLICIES = ("beacon", "streaming", "snapkv")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    checkpoint: Path
+    policies: tuple[str, ...]  # the compressing ones; the full cache always runs
+    budgets: tuple[int, ...]
+    hysteresis: int
+    window: int
+    n_beacon: int
+    n_recent: int
+    aggregation: str  # BeaconKV's
+    tasks: tuple[str, ...]
+    dtype: str
+    out: Path
+    sizes: Sizes
+    seed: int = 0
+
+    def compression(self, policy: str, budget: int) -> CompressionConfig:
+        return CompressionConfig(policy, budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, self.seed)
+
+    def first_compaction(self, budget: int) -> int:
+        """Decode steps after which any policy with this budget compacts for the first time."""
+        return budget + self.hysteresis + self.window + 1

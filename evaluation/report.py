@@ -1,0 +1,181 @@
+"""The results as a reader sees them: markdown tables, results.json and back, the plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from errors import UserError
+from evaluation.future_attention import RecallShares
+from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    meaning: str
+    text: Callable  # result -> the table cell
+    panel: str = ""  # title of the plot's panel
+    value: Callable | None = None  # result -> the number plotted
+
+
+COLUMNS = {
+    "retrieval": Column(
+        "Retrieval: share of facts recalled",
+        "greedy decoding writes a value stated once in the trace, hundreds of tokens before the recall; in "
+        "brackets, the share of the (layer, KV head) caches that still held every token of the value at the recall",
+        lambda r: f"{r.success:.0%} ({sum(r.hits)}/{len(r.hits)}; {r.kept_mean:.0%})",
+        "retrieval: share of facts recalled",
+        lambda r: r.success,
+    ),
+    "attention": Column(
+        "Future-attention recall, evictable part",
+        "share of the full-cache attention of the next K queries, on the positions between the prompt and the "
+        "recent window, that falls on positions the policy kept; mean over compactions, rows, layers, query heads, queries",
+        lambda r: f"{r.evictable:.3f}",
+        "future-attention recall (evictable part)",
+        lambda r: r.evictable,
+    ),
+    "attention_context": Column(
+        "Future-attention recall, whole context",
+        "the same share over all positions before the compaction (prompt and window included)",
+        lambda r: f"{r.context:.4f}",
+    ),
+    "loss": Column(
+        "Streaming loss: NLL on Python source",
+        "mean next-token NLL in nats over the tokens after the first compaction, and its difference from the full cache's",
+        lambda r: f"{r.nll:.3f} ({r.delta:+.3f})",
+        "streaming loss: NLL increase over the full cache",
+        lambda r: r.delta,
+    ),
+    "continuation": Column(
+        "Continuation fidelity",
+        "free greedy decoding: tokens equal to the full cache's before the first difference, counted from the "
+        "first compaction (mean over prompts), and the share of all those tokens that are equal",
+        lambda r: f"{r.leading:.0f} ({r.agreement:.0%})",
+        "continuation: share of tokens equal to the full cache's",
+        lambda r: r.agreement,
+    ),
+    "cost": Column(
+        "Cost",
+        "decode tokens/s of the whole batch (compactions and refreshes included) / ms per compaction / "
+        "ms per FPS refresh (BeaconKV) / KV cache MiB of the batch",
+        lambda r: " / ".join(
+            [f"{r.tokens_per_s:.1f} tok/s"]
+            + ([f"{r.ms_per_compaction:.0f} ms"] if r.ms_per_compaction == r.ms_per_compaction else [])
+            + ([f"{r.ms_per_refresh:.1f} ms"] if r.ms_per_refresh == r.ms_per_refresh else [])
+            + [f"{r.kv_cache_mib:.1f} MiB"]
+        ),
+        "cost: decode tokens/s of the batch",
+        lambda r: r.tokens_per_s,
+    ),
+}
+
+
+def table(results: Results, task: str) -> str:
+    source = results.attention if task == "attention_context" else getattr(results, task)
+    if not source:
+        return ""
+    column = COLUMNS[task]
+    budgets = [str(b) for b in results.config["budgets"]]
+    lines = [f"### {column.title}", "", column.meaning + ".", "", "| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for policy in ("none", *results.config["policies"]):
+        by_budget = source.get(policy, {})
+        cells = [column.text(by_budget.get(b, by_budget.get("full"))) if b in by_budget or "full" in by_budget else "" for b in budgets]
+        if any(cells):
+            lines.append(f"| {'full cache' if policy == 'none' else policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: Results) -> str:
+    c, s = results.config, results.config["sizes"]
+    kinds = c["rows"]
+    lines = [
+        f"# KV-cache policies on {results.model}",
+        "",
+        "Written by `python evaluate.py`; its docstring defines the tasks.",
+        "",
+        f"- budgets {c['budgets']}, hysteresis {c['hysteresis']}, window {c['window']}, n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c.get('aggregation', 'max')}; {c['dtype']}, torch threads: {c['threads']}",
+        f"- one batch of {len(kinds)} rows, {s['length']} tokens after each prompt: {kinds.count('trace')} reasoning traces "
+        f"({c['recalls']} recalls in all), {kinds.count('text')} chunks of Python source, {kinds.count('continuation')} free continuations; K = {s['future_queries']} future queries",
+        f"- wall time {results.seconds.get('total', 0) / 60:.1f} min, peak RSS {c.get('peak_rss_mib', 0):.0f} MiB",
+    ]
+    if c.get("budgets_done", c["budgets"]) != c["budgets"]:
+        lines.append(f"- **partial results**: budgets done so far {c['budgets_done']} (the run is still going, or was stopped)")
+    lines += [f"- note: {n}" for n in results.notes]
+    tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
+    return "\n".join(lines) + "\n\n" + "\n".join(t for t in (table(results, task) for task in tasks) if t)
+
+
+def _finite(x):
+    """JSON has no NaN: a number that does not apply becomes null."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and x != x else x
+
+
+def plot(results: Results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [t for t in ("retrieval", "attention", "loss", "continuation", "cost") if getattr(results, t)]
+    budgets = results.config["budgets"]
+    columns = min(len(panels) + 1, 3)  # one more panel for the legend
+    rows = -(-(len(panels) + 1) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.6 * rows), squeeze=False)
+    axes = list(axes.flat)
+    for ax, task in zip(axes, panels):
+        source, column = getattr(results, task), COLUMNS[task]
+
+        def series(policy: str) -> list[float]:
+            got = source.get(policy, {})
+            return [column.value(got.get(str(b), got.get("full"))) if str(b) in got or "full" in got else float("nan") for b in budgets]
+
+        for policy in results.config["policies"]:
+            ax.plot(budgets, series(policy), marker="o", label=policy, linewidth=2.8 if policy == "beacon" else 1.2)
+        ax.plot(budgets, series("none"), "k--", label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget (generated tokens kept)")
+        ax.set_title(column.panel, fontsize=10)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[len(panels) :]:
+        ax.axis("off")
+    axes[len(panels)].legend(handles, labels, loc="center", fontsize=10, title="policy")
+    fig.suptitle(f"KV-cache policies on {results.model}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+RESULT_TYPES = {"retrieval": RetrievalResult, "attention": RecallShares, "loss": LossResult, "continuation": ContinuationResult, "cost": CostResult}
+
+
+def read_results(path: Path) -> Results:
+    """Results back from a results.json (null stands for NaN there)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read results from {path}: {e}") from e
+
+    def make(kind: type, fields: dict):
+        return kind(**{k: float("nan") if v is None else v for k, v in fields.items()})
+
+    tasks = {t: {p: {b: make(kind, f) for b, f in by.items()} for p, by in raw[t].items()} for t, kind in RESULT_TYPES.items()}
+    return Results(raw["model"], raw["config"], **tasks, seconds=raw["seconds"], notes=raw["notes"], samples=raw.get("samples", []))
+
+
+def write(results: Results, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(results)
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(_finite(asdict(results)), indent=1))
+    plot(results, out / "quality_vs_budget.png")
+    return text

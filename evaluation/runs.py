@@ -1,0 +1,216 @@
+"""One batch through the engine's decode path for every policy: the full cache once, snapshotted
+where each budget first compacts, then each policy at each budget resumed from its snapshot.
+
+The loop is `engine.generation.generate`'s: `prefill`, then `decode_step` with a
+`CompressionManager` and `manager.after_step()` between steps. Trace and text rows are
+teacher-forced, continuation rows decoded greedily, all in the same batch. Resuming is exact:
+until its first compaction every policy computes what the full cache computes
+(tests/test_evaluate.py checks it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from compression.config import CompressionConfig
+from compression.manager import CompressionManager, CompressionStats
+from engine.decode import decode_step, prefill
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingConfig
+from evaluation.config import EvalConfig
+from evaluation.tasks import Row
+from models.transformer import Transformer
+
+CPU = torch.device("cpu")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Batch:
+    rows: list[Row]
+    length: int  # tokens after each prompt
+
+    def __post_init__(self) -> None:
+        self.prompts = [r.prompt for r in self.rows]
+        self.forced = torch.tensor([r.forced or [0] * self.length for r in self.rows])  # [B, T]
+        self.free = torch.tensor([r.kind == "continuation" for r in self.rows])  # [B] rows decoded greedily
+        self.n_positions = max(map(len, self.prompts)) + self.length
+
+    def indices(self, *kinds: str) -> list[int]:
+        return [b for b, r in enumerate(self.rows) if r.kind in kinds]
+
+
+@dataclass
+class Compaction:
+    step: int  # decode steps done when it happened
+    next_position: torch.Tensor  # [B] absolute position of the next query
+    kept: torch.Tensor  # [L, B, H_kv, P] bool: the positions the cache holds after it (prefix, kept, window)
+
+
+@dataclass
+class State:
+    """A run in progress. predicted[:, t] is the argmax of the logits that predict token t of the
+    stream (for a free row: the token generated); logprob[:, t] is log p(forced token t)."""
+
+    cache: KVCache
+    manager: CompressionManager
+    tokens: torch.Tensor  # [B] the token the next step feeds
+    step: int  # decode steps done
+    predicted: torch.Tensor  # [B, T] int64
+    logprob: torch.Tensor  # [B, T] float32
+    after_step_due: bool = False  # a step ran, its manager.after_step() has not yet
+
+
+@dataclass
+class Run:
+    """What one policy did at one budget, and what it cost."""
+
+    policy: str
+    budget: int | None  # None: the full cache
+    predicted: torch.Tensor
+    logprob: torch.Tensor
+    compactions: list[Compaction]
+    steps: int  # decode steps this run executed itself (after resuming)
+    seconds: float  # their wall time, the manager's work included
+    stats: CompressionStats
+    kv_cache_bytes: int
+    query_buffer_bytes: int
+
+
+def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int) -> State:
+    """Prefill the prompts into a fresh cache of n_slots slots, with a manager for `compression`."""
+    B = len(batch.rows)
+    cache = KVCache.allocate(model.config, B, n_slots, model.embed.weight.dtype, CPU)
+    manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    logits = prefill(model, cache, batch.prompts, compression=manager).float()
+    predicted = torch.zeros(B, batch.length, dtype=torch.int64)
+    predicted[:, 0] = logits.argmax(-1)
+    logprob = torch.zeros(B, batch.length)
+    logprob[:, 0] = logits.log_softmax(-1)[torch.arange(B), batch.forced[:, 0]]
+    return State(cache, manager, predicted[:, 0].clone(), 0, predicted, logprob)
+
+
+def recorder(config: EvalConfig, batch: Batch) -> CompressionConfig:
+    """The full cache's manager: it records queries and beacons as BeaconKV's does, and never compacts."""
+    return CompressionConfig("beacon", batch.length, 1, config.window, config.n_beacon, config.n_recent)
+
+
+def snapshot(state: State) -> State:
+    c = state.cache
+    cache = KVCache(c.k.clone(), c.v.clone(), c.length.clone(), c.position.clone(), c.prompt_length.clone(), c.slot_ids)
+    return _going_on(state, cache, _copy_manager(state.manager, state.manager.config, cache))
+
+
+def resume(model: Transformer, snap: State, compression: CompressionConfig, length: int) -> State:
+    """A policy picked up from a snapshot of the full cache taken before the policy's first compaction."""
+    n_slots = compression.slots_needed(int(snap.cache.prompt_length.max()), length)
+    cache = KVCache.allocate(model.config, snap.tokens.shape[0], n_slots, snap.cache.k.dtype, CPU)
+    cache.k.copy_(snap.cache.k[:, :, :, :n_slots])
+    cache.v.copy_(snap.cache.v[:, :, :, :n_slots])
+    for counter in ("length", "position", "prompt_length"):
+        getattr(cache, counter).copy_(getattr(snap.cache, counter))
+    return _going_on(snap, cache, _copy_manager(snap.manager, compression, cache))
+
+
+def _going_on(state: State, cache: KVCache, manager: CompressionManager) -> State:
+    """`state`, continued with another cache and manager."""
+    return State(cache, manager, state.tokens.clone(), state.step, state.predicted.clone(), state.logprob.clone(), state.after_step_due)
+
+
+def _copy_manager(source: CompressionManager, compression: CompressionConfig, cache: KVCache) -> CompressionManager:
+    """A manager for `compression` in the state `source` is in. The recorder's buffer is
+    [beacons | ring of recent queries]; a baseline's is the same ring alone, at the same offsets."""
+    manager = CompressionManager(compression, cache, source.queries.shape[2], source.rope_cos, source.rope_sin)
+    skip = source.n_beacon - manager.n_beacon
+    if skip not in (0, source.n_beacon) or manager.queries.shape[3] != source.queries.shape[3] - skip:
+        raise ValueError("the snapshot's query buffer does not match the policy's")
+    manager.queries.copy_(source.queries[:, :, :, skip:])
+    manager.query_slot.copy_(source.query_slot - skip)
+    manager.steps, manager.generated = source.steps, source.generated
+    return manager
+
+
+def kept_positions(state: State, n_positions: int) -> torch.Tensor:
+    """[L, B, H_kv, n_positions] bool: the absolute positions the cache holds now."""
+    positions = state.manager.slot_positions()  # [L, B, H_kv, S]
+    in_use = state.cache.slot_ids[None, :] < state.cache.length[:, None]  # [B, S]
+    positions = torch.where(in_use[None, :, None, :], positions, n_positions)
+    kept = torch.zeros(*positions.shape[:3], n_positions + 1, dtype=torch.bool)
+    return kept.scatter_(3, positions, True)[..., :n_positions]
+
+
+def advance(model: Transformer, state: State, batch: Batch, snapshot_at: frozenset[int] = frozenset()) -> tuple[float, dict[int, State], list[Compaction]]:
+    """Decode steps, each followed by manager.after_step(), until the stream's last token has been
+    fed. Returns the seconds spent in the decode path and the manager (bookkeeping excluded), the
+    snapshots taken between a step and its after_step(), and the compactions."""
+    n_steps = batch.length - 1  # the last token is predicted, never fed
+    finished, no_eos, greedy = torch.zeros(len(batch.rows), dtype=torch.bool), torch.tensor([-1]), SamplingConfig()
+    rows = torch.arange(len(batch.rows))
+    snapshots: dict[int, State] = {}
+    compactions: list[Compaction] = []
+    seconds = 0.0
+    while True:
+        if state.after_step_due:  # also the first thing after resuming from a snapshot
+            done = state.manager.stats.compactions
+            tick = time.perf_counter()
+            state.manager.after_step()
+            seconds += time.perf_counter() - tick
+            state.after_step_due = False
+            if state.manager.stats.compactions > done:
+                compactions.append(Compaction(state.step, state.cache.position.clone(), kept_positions(state, batch.n_positions)))
+        if state.step == n_steps:
+            return seconds, snapshots, compactions
+        t = state.step  # this step feeds token t of each stream and predicts token t + 1
+        tick = time.perf_counter()
+        state.tokens.copy_(torch.where(batch.free, state.tokens, batch.forced[:, t]))  # teacher forcing
+        logits = decode_step(model, state.cache, state.tokens, finished, no_eos, greedy, state.manager)
+        seconds += time.perf_counter() - tick
+        state.step += 1
+        state.after_step_due = True
+        state.predicted[:, t + 1] = logits.argmax(-1)
+        state.logprob[:, t + 1] = logits.float().log_softmax(-1)[rows, batch.forced[:, t + 1]]
+        if state.step in snapshot_at:
+            snapshots[state.step] = snapshot(state)
+
+
+def run_from_start(model: Transformer, batch: Batch, compression: CompressionConfig) -> tuple[State, list[Compaction]]:
+    """One policy over the whole batch without a snapshot (the tests compare it with resuming)."""
+    state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
+    _, _, compactions = advance(model, state, batch)
+    return state, compactions
+
+
+def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_runs: Callable[[int | None, dict[str, Run]], None]) -> dict[tuple[str, int | None], Run]:
+    """The full cache once, then every policy at every budget resumed from its snapshot.
+    on_runs(None, {"none": run}) follows the full cache, on_runs(budget, {policy: run}) each budget."""
+    n_steps = batch.length - 1
+    firsts = {b: config.first_compaction(b) for b in config.budgets}
+    state = start(model, batch, recorder(config, batch), batch.n_positions)
+    log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
+    seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts.values() if f <= n_steps))
+    seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache
+    full = Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0)
+    log(f"  full cache: {seconds:.0f} s")
+    runs: dict[tuple[str, int | None], Run] = {("none", None): full}
+    on_runs(None, {"none": full})
+    for budget in config.budgets:
+        for policy in config.policies:
+            if firsts[budget] > n_steps:
+                log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
+                runs[(policy, budget)] = replace(full, policy=policy, budget=budget)
+                continue
+            state = resume(model, snapshots[firsts[budget]], config.compression(policy, budget), batch.length)
+            seconds, _, compactions = advance(model, state, batch)
+            m = state.manager
+            runs[(policy, budget)] = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes)
+            log(f"  {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")
+        on_runs(budget, {p: runs[(p, budget)] for p in config.policies})
+    return runs
