@@ -1,4 +1,4 @@
-"""Run a Llama / Qwen checkpoint on a prompt and stream the answer.
+"""Run a Llama / Mistral / Qwen checkpoint on a prompt and stream the answer.
 
     python generate.py --checkpoint DIR --prompt "Why is the sky blue?"
     python generate.py --checkpoint DIR -i          (a chat: /reset starts over, /exit leaves)

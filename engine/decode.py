@@ -44,15 +44,14 @@ def prefill(
         mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
     k, v = cache.k[:, :, :, : max(held) + T], cache.v[:, :, :, : max(held) + T]
-    logit_index = None if all_logits else lengths - 1
-    if compression is not None:
-        logits, queries = model(tokens, positions, k, v, write_slots, mask, logit_index, return_queries=True)
-        if max(held) == 0:
-            compression.seed(queries, lengths)
-        else:
-            compression.append(queries, [len(p) for p in prompts])
-    else:
-        logits = model(tokens, positions, k, v, write_slots, mask, logit_index)
+    logits, queries = model(
+        tokens, positions, k_cache=k, v_cache=v, write_slots=write_slots, mask=mask,
+        logit_index=None if all_logits else lengths - 1, return_queries=compression is not None,
+    )
+    if compression is not None and max(held) == 0:
+        compression.seed(queries, lengths)
+    elif compression is not None:
+        compression.append(queries, [len(p) for p in prompts])
     if max(held) == 0:
         cache.prompt_length.copy_(lengths)
     cache.length += lengths
@@ -82,12 +81,12 @@ def decode_step(
     if n_read is not None:
         k, v, slot_ids = k[:, :, :, :n_read], v[:, :, :, :n_read], slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
-    inputs = (tokens[:, None], cache.position[:, None], k, v, slots, mask)
+    logits, queries = model(
+        tokens[:, None], cache.position[:, None], k_cache=k, v_cache=v, write_slots=slots, mask=mask,
+        return_queries=compression is not None,
+    )
     if compression is not None:
-        logits, queries = model(*inputs, return_queries=True)
         compression.record(queries)
-    else:
-        logits = model(*inputs)
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)

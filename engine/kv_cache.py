@@ -19,7 +19,7 @@ class KVCache:
     length: torch.Tensor  # [B] int64 slots in use
     position: torch.Tensor  # [B] int64 absolute position of the next token
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
-    slot_ids: torch.Tensor  # [S] 0..S-1, kept so the decode step allocates no index tensor
+    slot_ids: torch.Tensor  # [S] 0..S-1, kept so that the decode step's mask needs no new index tensor
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device) -> "KVCache":

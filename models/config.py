@@ -1,4 +1,4 @@
-"""ModelConfig: the few numbers that define a Llama / Qwen2 / Qwen3 transformer, read from config.json."""
+"""ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 transformer, read from config.json."""
 
 import json
 from dataclasses import dataclass, replace
@@ -49,11 +49,6 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head's q and k, before RoPE
     rope_scaling: RopeScaling | None = None
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head: query head h reads KV head h // group_size."""
-        return self.n_heads // self.n_kv_heads
 
     @classmethod
     def from_dict(cls, raw: object, source: str = "config.json") -> "ModelConfig":

@@ -1,20 +1,18 @@
 """The model's linear layer: nn.Linear, except for products of many rows in 16-bit floats on
 CPUs without 16-bit matrix instructions.
 
-Such a CPU (AVX2 without AVX512-BF16 or AMX) multiplies bfloat16 matrices one row at a time:
-on one core of an AVX2 EPYC, a 576x3072 bfloat16 projection took 0.5 ms per row (16.7 ms for
-32 rows), while converting the weight to float32 and multiplying there took 2.3 ms for 8 rows
-and 13 ms for 128 (prefill is 4.7x faster). The float32 product multiplies the same values
-exactly and accumulates in float32 as the 16-bit kernel does, so only the rounding of the
-output can differ (by one unit in the last place). With a few rows (decode) the 16-bit kernel
-is faster, because converting the weight costs more than the product.
+Such a CPU (AVX2 without AVX512-BF16 or AMX) multiplies bfloat16 matrices one row at a time, so
+a prefill is faster with the weight converted to float32 (docs/performance.md). The float32
+product multiplies the same values exactly and accumulates in float32 as the 16-bit kernel does,
+so only the rounding of the output can differ (by one unit in the last place). With a few rows
+(decode) the 16-bit kernel is faster, because converting the weight costs more than the product.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-FLOAT32_FROM_ROWS = 8  # the measured crossover: 4 rows were faster in bfloat16, 8 in float32
+FLOAT32_FROM_ROWS = 8  # the measured crossover (docs/performance.md)
 
 
 # Whether this CPU multiplies 16-bit float matrices in hardware, as oneDNN reports it: a fact

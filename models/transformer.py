@@ -67,34 +67,40 @@ class Attention(nn.Module):
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
 
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
-        # The write indexes the whole [L, ...] buffer with tensors, the layer included: written
-        # through a per-layer view (or with scatter_), torch.compile copied the whole cache
-        # at every step. Eager CPU has a fast index_put in every dtype.
+        # The write indexes the whole [L, ...] buffer with tensors, the layer included: through a
+        # per-layer view (or with scatter_), torch.compile copied the whole cache at every step.
         layer_index = torch.full((1, 1), layer, device=x.device)  # [1, 1]
         rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
         k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
         v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
-        k_cache, v_cache = k_cache[layer], v_cache[layer]  # [B, H_kv, S, D]
 
-        if T == 1 and flash_decode_supported(k_cache):
-            out = flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)  # [B, H, 1, D]
-            return self.wo(out.transpose(1, 2).reshape(B, 1, H * D)), q_before_rope
+        out = attend(q, k_cache[layer], v_cache[layer], write_slots, mask)  # [B, H, T, D]
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * D)), q_before_rope
 
-        if mask is None:
-            # Prompts without padding in slots 0..T-1: SDPA's causal kernel skips the blocks above
-            # the diagonal and pairs query heads with their KV head itself. At 1024 tokens it
-            # took 17 ms per SmolLM2 layer, the masked grouped call below 31 ms.
-            out = F.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True, enable_gqa=True)  # [B, H, T, D]
-            return self.wo(out.transpose(1, 2).reshape(B, T, H * D)), q_before_rope
 
-        # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
-        G = H // H_kv
-        q = q.reshape(B, H_kv, G * T, D)
-        if T > 1:
-            mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
-        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
-        return self.wo(out), q_before_rope
+def attend(
+    q: torch.Tensor,  # [B, H, T, D] after RoPE
+    k_cache: torch.Tensor,  # [B, H_kv, S, D] one layer's keys, the new ones written
+    v_cache: torch.Tensor,  # [B, H_kv, S, D]
+    write_slots: torch.Tensor,  # [B, T]
+    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
+) -> torch.Tensor:
+    """Attention over the cache, [B, H, T, D], by the fastest kernel that applies."""
+    B, H, T, D = q.shape
+    if T == 1 and flash_decode_supported(k_cache):
+        # flash-attn reads only each row's slots in use (the new token's slot + 1).
+        return flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)
+    if mask is None:
+        # SDPA's causal kernel skips the blocks above the diagonal and pairs query heads with
+        # their KV head itself (docs/performance.md).
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True, enable_gqa=True)
+    # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
+    H_kv = k_cache.shape[1]
+    G = H // H_kv
+    if T > 1:
+        mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+    out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G * T, D), k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
+    return out.view(B, H, T, D)
 
 
 class MLP(nn.Module):
@@ -116,8 +122,21 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, layer, write_slots, mask):
-        attended, queries = self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, layer, write_slots, mask)
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, C]
+        cos: torch.Tensor,  # [B, T, D]
+        sin: torch.Tensor,  # [B, T, D]
+        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]
+        v_cache: torch.Tensor,  # [L, B, H_kv, S, D]
+        layer: int,
+        write_slots: torch.Tensor,  # [B, T]
+        mask: torch.Tensor | None,  # [B, 1, T, S]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
+        attended, queries = self.attn(
+            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, layer=layer, write_slots=write_slots, mask=mask
+        )
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), queries
 
@@ -144,19 +163,19 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1 (S == T), no padding
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
         return_queries: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
-        With return_queries, also every layer's queries before RoPE, [L, B, H, T, D]."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None; and with
+        return_queries every layer's queries before RoPE, [L, B, H, T, D] (else None)."""
         x = self.embed(tokens)
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         queries = []
         for i, layer in enumerate(self.layers):
-            x, q = layer(x, cos, sin, k_cache, v_cache, i, write_slots, mask)
+            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask)
             if return_queries:  # each pins its layer's whole q/k/v output
                 queries.append(q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
         logits = self.lm_head(self.norm(x))
-        return (logits, torch.stack(queries)) if return_queries else logits
+        return logits, (torch.stack(queries) if return_queries else None)

@@ -177,5 +177,5 @@ def test_queries_are_kept_only_when_asked_for(return_queries, tiny_checkpoint):
     prompt = random_prompt(30, seed=5)
     cache = KVCache.allocate(model.config, 1, 30, torch.float32, CPU)
     positions = torch.arange(30)[None]
-    model(torch.tensor([prompt]), positions, cache.k, cache.v, positions, None, return_queries=return_queries)
+    model(torch.tensor([prompt]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, return_queries=return_queries)
     assert alive_after_the_layers == [return_queries]
