@@ -149,3 +149,14 @@ def test_a_step_compiled_under_avx512_is_not_reused_under_avx2(tiny_checkpoint, 
         done = subprocess.run(args, env={**env, "ATEN_CPU_CAPABILITY": capability}, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "True", capability
+
+
+def test_compiled_step_with_a_repetition_penalty_equals_eager(tiny_checkpoint):
+    """The penalty's [B, V] mask of seen tokens is updated inside the step: it must compile with
+    fullgraph (the CPU-side proof that a CUDA graph can capture it) and give eager's tokens."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([7, 12], seed=6)
+    penalty = SamplingConfig(repetition_penalty=1.8)
+    eager = generate(model, prompts, 16, eos_ids=frozenset(), sampling=penalty).tokens
+    assert generate(model, prompts, 16, eos_ids=frozenset(), sampling=penalty, compile=True).tokens == eager
+    assert eager != generate(model, prompts, 16, eos_ids=frozenset()).tokens

@@ -2,8 +2,8 @@
 
 Strict by design: every tensor the architecture needs must be present with the right shape,
 and every tensor in the files must be used. The q/k/v and gate/up projections are fused here,
-once, so that a decode step runs one matmul where transformers runs three. A tensor the model
-uses as the file holds it stays in the memory-mapped file; every other one is copied in blocks.
+once, so that a decode step runs one matmul where transformers runs three. Weights are copied
+in blocks, each through a memory map closed at once; an untied embedding table stays mapped.
 """
 
 import json
@@ -199,16 +199,8 @@ def engine_sources(config: ModelConfig) -> dict[str, list[str]]:
 # A copy goes through the file in blocks of about this size, each through a memory map of its own
 # closed at once: the file pages a block touched leave the process with the map, so loading holds
 # the model plus one block, not the model plus the file.
-COPY_BLOCK_BYTES = 64 << 20
+COPY_BLOCK_BYTES = 16 << 20
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def read_as_stored(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors used exactly as the file holds them: views of one memory map of the file, kept open.
-    Only the pages the model reads become resident (an embedding table: the rows it looks up), as
-    with transformers' own loading."""
-    with _open_safetensors(path) as f:
-        return {name: f.get_tensor(name) for name in names}
 
 
 def read_copy(located: dict[str, Path], names: list[str], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, column_major: bool) -> torch.Tensor:
@@ -232,25 +224,29 @@ def read_copy(located: dict[str, Path], names: list[str], shape: tuple[int, ...]
 
 
 def read_state(located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every engine tensor: a view of the file where the file holds it as the model uses it (one HF
-    tensor, the same dtype, a CPU model, the checkpoint's row-major layout), a copy otherwise."""
+    """Every engine tensor, a copy of its own, except an embedding table that is not the LM head:
+    on CPU, in the file's dtype, that one stays a view of the memory-mapped file, so only the rows
+    the model looks up become resident (as with transformers' loading). Weights read in full at
+    every step gain nothing from the map, and read from the page cache's small pages they were
+    slower (docs/performance.md)."""
     expected = expected_shapes(config)
     linears = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
-    as_stored: dict[Path, list[str]] = {}
-    copies: dict[str, torch.Tensor] = {}
-    plan: dict[str, str] = {}
+    state = {}
     for name, sources in engine_sources(config).items():
+        if name == "embed.weight" and config.tie_word_embeddings:
+            continue  # the LM head's copy serves both (two copies would meet at the loading peak)
         shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
-        column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
         with _open_safetensors(located[sources[0]]) as f:
             file_dtype = SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype())
-        if len(sources) == 1 and not column_major and device.type == "cpu" and file_dtype == dtype:
-            as_stored.setdefault(located[sources[0]], []).append(sources[0])
-            plan[name] = sources[0]
+        if name == "embed.weight" and not config.tie_word_embeddings and device.type == "cpu" and file_dtype == dtype:
+            with _open_safetensors(located[sources[0]]) as f:
+                state[name] = f.get_tensor(sources[0])  # a view: the map stays open as long as the tensor lives
         else:
-            copies[name] = read_copy(located, sources, shape, dtype, device, column_major)
-    views = {hf_name: t for path, names in as_stored.items() for hf_name, t in read_as_stored(path, names).items()}
-    return {name: copies[name] if name in copies else views[plan[name]] for name in engine_sources(config)}
+            column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
+            state[name] = read_copy(located, sources, shape, dtype, device, column_major)
+    if config.tie_word_embeddings:
+        state["embed.weight"] = state["lm_head.weight"]
+    return state
 
 
 def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
