@@ -97,3 +97,16 @@ def decode_step(
     cache.length += 1
     cache.position += 1
     return logits
+
+
+def advanced_by_step(
+    cache: KVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | None
+) -> list[torch.Tensor]:
+    """The small tensors decode_step advances in place, beside the K/V it writes: whoever runs the
+    step for another purpose (a CUDA graph's warm-up) must put these back afterwards."""
+    state = [cache.length, cache.position, tokens, finished]
+    if seen is not None:
+        state.append(seen)
+    if compression is not None:
+        state.append(compression.query_slot)
+    return state

@@ -15,7 +15,7 @@ import torch
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
 from engine.cuda_graph import capture_decode_step
-from engine.decode import decode_step, prefill
+from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig, sample, seen_tokens
 from errors import UserError
@@ -157,12 +157,7 @@ class Session:
         step = compile_decode_step(self.cache.k.device) if self.compile else decode_step
         advance = partial(step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen)
         if self.cuda_graph:
-            state = [self.cache.length, self.cache.position, self.tokens, self.finished]
-            if self.seen is not None:
-                state.append(self.seen)
-            if self.manager is not None:
-                state.append(self.manager.query_slot)
-            return capture_decode_step(advance, state)
+            return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:
             return partial(self._unguarded, advance)
         return advance
