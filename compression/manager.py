@@ -17,6 +17,7 @@ from compression.config import CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
 from compression.scoring import rotate_to_position
+from models.rope import apply_rope
 
 
 class Cache(Protocol):
@@ -36,10 +37,14 @@ class CompressionStats:
     refresh_s: list[float] = field(default_factory=list)  # BeaconKV's FPS refreshes
 
 
-def record_query(buffer: torch.Tensor, slot: torch.Tensor, queries: torch.Tensor, n_beacon: int, n_recent: int) -> None:
+def record_query(
+    buffer: torch.Tensor, issued_at: torch.Tensor, slot: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, n_beacon: int, n_recent: int
+) -> None:
     """Inside the decode step: write queries [L, B, H, 1, D] at buffer slot `slot` ([1], on the
-    device) and advance it through the ring of recent slots that follows the beacons."""
+    device) and the position each row issued them at ([B]) beside them, then advance the slot
+    through the ring of recent slots that follows the beacons."""
     buffer.index_copy_(3, slot, queries.to(buffer.dtype))
+    issued_at.index_copy_(1, slot - n_beacon, positions[:, None])
     slot.copy_(n_beacon + (slot - n_beacon + 1) % n_recent)
 
 
@@ -53,6 +58,9 @@ class CompressionManager:
         # [L, B, H, n_beacon + n_recent, D]: beacons first, then a ring of recent queries.
         self.queries = torch.zeros(L, B, n_heads, self.n_beacon + config.n_recent, D, dtype=cache.k.dtype, device=cache.k.device)
         self.query_slot = torch.full((1,), self.n_beacon, dtype=torch.int64, device=cache.k.device)
+        # [B, n_recent] the position each recent query was issued at: it is scored rotated there,
+        # as it attended when it was issued (the beacons are rotated to the current position).
+        self.issued_at = torch.zeros(B, config.n_recent, dtype=torch.int64, device=cache.k.device)
         self.steps = 0  # decode steps so far, each of which recorded one query (host count)
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
@@ -64,13 +72,14 @@ class CompressionManager:
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
         self.queries.zero_()
+        self.issued_at.zero_()
         self.query_slot.fill_(self.n_beacon)
         self.steps = self.generated = 0
         self.compacted = False
 
-    def record(self, queries: torch.Tensor) -> None:
-        """Called inside the decode step with that step's queries [L, B, H, 1, D]."""
-        record_query(self.queries, self.query_slot, queries, self.n_beacon, self.config.n_recent)
+    def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Called inside the decode step with that step's queries [L, B, H, 1, D], issued at positions [B]."""
+        record_query(self.queries, self.issued_at, self.query_slot, queries, positions, self.n_beacon, self.config.n_recent)
 
     def seed(self, prompt_queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
         """After prefill: the first beacons are the farthest points among the prompt's queries [L, B, H, T, D]."""
@@ -88,7 +97,7 @@ class CompressionManager:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n = n_new[0]
         for t in range(max(0, n - self.config.n_recent), n):
-            self.record(queries[:, :, :, t : t + 1])
+            self.record(queries[:, :, :, t : t + 1], self.cache.position + t)
             self._count_query()
         self.generated += n
 
@@ -117,14 +126,14 @@ class CompressionManager:
         self._sync()
         self.stats.refresh_s.append(time.perf_counter() - start)
 
-    def recent_queries(self) -> torch.Tensor:
-        """The recorded recent queries [L, B, H, R, D], oldest first."""
+    def recent_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last n_recent queries [L, B, H, R, D], oldest first, and the positions [B, R] they
+        were issued at: the same number for every policy (fewer only before the ring first fills)."""
         ring = self.queries[:, :, :, self.n_beacon :]
         filled = self.steps % self.config.n_recent  # also the slot the next query goes to
-        if self.n_beacon or self.steps < self.config.n_recent:
-            # BeaconKV's recent part starts empty after each refresh; a baseline's ring has not wrapped yet.
-            return ring[:, :, :, :filled]
-        return ring.roll(-filled, dims=3)
+        if self.steps < self.config.n_recent:
+            return ring[:, :, :, :filled], self.issued_at[:, :filled]
+        return ring.roll(-filled, dims=3), self.issued_at.roll(-filled, dims=1)
 
     def _compact(self) -> None:
         start = time.perf_counter()
@@ -134,14 +143,15 @@ class CompressionManager:
         offsets = torch.arange(n_candidates, device=cache.k.device)
         candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
         cos, sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]
-        recent = self.recent_queries()
+        recent, issued_at = self.recent_queries()
+        recent_cos, recent_sin = self.rope_cos[issued_at], self.rope_sin[issued_at]  # [B, R, D]
         scorer = SCORERS[config.policy]
         keep = []
         for layer in range(L):
             keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             inputs = ScoringInputs(
                 beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin),
-                recent=rotate_to_position(recent[layer], cos, sin),
+                recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
                 config=config,
                 generator=self.generator,

@@ -14,7 +14,7 @@ from compression.scoring import aggregate, attention_logits, pool
 @dataclass
 class ScoringInputs:
     beacons: torch.Tensor  # [B, H, n_beacon, D] BeaconKV's beacon queries, rotated to the current position
-    recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, rotated likewise
+    recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, each rotated to the position it was issued at
     keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
     config: CompressionConfig
     generator: torch.Generator

@@ -86,7 +86,7 @@ def decode_step(
         return_queries=compression is not None,
     )
     if compression is not None:
-        compression.record(queries)
+        compression.record(queries, cache.position)
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)

@@ -133,6 +133,7 @@ def _copy_manager(source: CompressionManager, compression: CompressionConfig, ca
     if skip not in (0, source.n_beacon) or manager.queries.shape[3] != source.queries.shape[3] - skip:
         raise ValueError("the snapshot's query buffer does not match the policy's")
     manager.queries.copy_(source.queries[:, :, :, skip:])
+    manager.issued_at.copy_(source.issued_at)
     manager.query_slot.copy_(source.query_slot - skip)
     manager.steps, manager.generated = source.steps, source.generated
     return manager

@@ -9,6 +9,7 @@ from compression.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.manager import CompressionManager
+from compression.policies import SCORERS
 from compression.scoring import aggregate, attention_logits
 from engine.decode import decode_step, prefill
 from engine.generation import generate
@@ -203,3 +204,31 @@ def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
         session.step()
     assert held() == after_first
     assert session.manager.generated <= config.budget_max + config.window
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "beacon"])
+def test_recent_queries_are_scored_where_they_were_issued_and_as_many_for_every_policy(policy, tiny_checkpoint, monkeypatch):
+    """At a compaction every policy scores with the last n_recent queries (BeaconKV's ring no longer
+    restarts at a refresh), each rotated to the position of the token that issued it (not to the
+    current position, which handicapped the baselines)."""
+    import compression.policies as policies
+    from models.rope import apply_rope
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy=policy, budget=8, hysteresis=4, window=4, n_beacon=4, n_recent=6)
+    recorded, scored, recorded_before = [], [], []
+    record, compact, scorer = CompressionManager.record, CompressionManager._compact, SCORERS[policy]
+    monkeypatch.setattr(CompressionManager, "record", lambda self, q, p: (recorded.append(q[0].clone()), record(self, q, p))[1])
+    monkeypatch.setattr(CompressionManager, "_compact", lambda self: (recorded_before.append(len(recorded)), compact(self))[1])
+    monkeypatch.setitem(SCORERS, policy, lambda x: (scored.append(x.recent.clone()), scorer(x))[1])
+    prompt_len = 9
+    generate(model, [[5 + i for i in range(prompt_len)]], 30, eos_ids=frozenset(), compression=config)
+
+    n = recorded_before[0]  # the queries recorded before the first compaction, one per decode step
+    assert n > config.n_recent
+    # Step i (from 0) fed the token at position prompt_len + i: its query was issued there.
+    positions = torch.arange(n - config.n_recent, n) + prompt_len
+    raw = torch.cat(recorded[n - config.n_recent : n], dim=2)  # layer 0: [B, H, R, D]
+    expected = apply_rope(raw, model.rope_cos[positions][None], model.rope_sin[positions][None])
+    assert scored[0].shape[2] == config.n_recent
+    assert torch.allclose(scored[0], expected, atol=1e-5)
