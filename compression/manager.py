@@ -145,14 +145,22 @@ class CompressionManager:
         cos, sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]
         recent, issued_at = self.recent_queries()
         recent_cos, recent_sin = self.rope_cos[issued_at], self.rope_sin[issued_at]  # [B, R, D]
+        positions = self.slot_positions()  # [L, B, H_kv, S]
+        S = int(cache.length.max())
+        in_use = cache.slot_ids[None, :S] < cache.length[:, None]  # [B, S]
         scorer = SCORERS[config.policy]
         keep = []
         for layer in range(L):
             keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
+            # A recent query read the keys in use at or before its own position.
+            visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
             inputs = ScoringInputs(
                 beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
+                context=cache.k[layer, :, :, :S],
+                visible=visible,
+                candidate_slots=candidate_slots,
                 config=config,
                 generator=self.generator,
             )
@@ -160,7 +168,6 @@ class CompressionManager:
             keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
         keep = torch.stack(keep)  # [L, B, H_kv, budget]
 
-        positions = self.slot_positions()
         compact_in_place([cache.k, cache.v, positions], cache.prompt_length, keep, n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)

@@ -16,6 +16,9 @@ class ScoringInputs:
     beacons: torch.Tensor  # [B, H, n_beacon, D] BeaconKV's beacon queries, rotated to the current position
     recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, each rotated to the position it was issued at
     keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
+    context: torch.Tensor  # [B, H_kv, S, D] every key in the cache: prompt, candidates, window
+    visible: torch.Tensor  # [B, H_kv, R, S] bool: the keys each recent query could read when it was issued
+    candidate_slots: torch.Tensor  # [B, C] where the candidates sit in `context`
     config: CompressionConfig
     generator: torch.Generator
 
@@ -26,30 +29,34 @@ def beacon(x: ScoringInputs) -> torch.Tensor:
     return aggregate(attention_logits(queries, x.keys), x.config.aggregation)
 
 
-def attention_weights(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Softmax attention [B, H_kv, G, Q, C] of the queries over the candidate keys."""
-    return attention_logits(queries, keys).softmax(dim=-1)
+def attention_weights(x: ScoringInputs) -> torch.Tensor:
+    """The attention [B, H_kv, G, R, C] each recent query paid to each candidate, its softmax taken,
+    as the papers take it, over every key it could read when it was issued (prompt and window too)."""
+    logits = attention_logits(x.recent, x.context).masked_fill(~x.visible[:, :, None], float("-inf"))  # [B, H_kv, G, R, S]
+    weights = logits.softmax(dim=-1)
+    C = x.candidate_slots.shape[1]
+    return weights.gather(-1, x.candidate_slots[:, None, None, None, :].expand(*weights.shape[:4], C))
 
 
 def rpc(x: ScoringInputs) -> torch.Tensor:
     """Reasoning Path Compression: mean attention of the recent queries (the selector window), average-pooled."""
-    return pool(attention_weights(x.recent, x.keys).mean(dim=(2, 3)), kernel=7, how="mean")
+    return pool(attention_weights(x).mean(dim=(2, 3)), kernel=7, how="mean")
 
 
 def snapkv(x: ScoringInputs) -> torch.Tensor:
     """SnapKV: attention summed over the observation window, averaged over the group, max-pooled."""
-    return pool(attention_weights(x.recent, x.keys).sum(dim=3).mean(dim=2), kernel=7, how="max")
+    return pool(attention_weights(x).sum(dim=3).mean(dim=2), kernel=7, how="max")
 
 
 def tova(x: ScoringInputs) -> torch.Tensor:
     """TOVA: the attention of the newest query alone, averaged over the group."""
-    return attention_weights(x.recent[:, :, -1:], x.keys).mean(dim=(2, 3))
+    return attention_weights(x)[:, :, :, -1].mean(dim=2)
 
 
 def rkv(x: ScoringInputs, importance_weight: float = 0.1) -> torch.Tensor:
     """R-KV: importance (pooled attention of the recent queries) minus redundancy (a key much like
     many other keys is cheap to lose), both as distributions over the candidates."""
-    importance = pool(attention_weights(x.recent, x.keys).mean(dim=(2, 3)), kernel=7, how="max")
+    importance = pool(attention_weights(x).mean(dim=(2, 3)), kernel=7, how="max")
     importance = importance / importance.sum(-1, keepdim=True)
     unit = torch.nn.functional.normalize(x.keys.float(), dim=-1)
     similarity = unit @ unit.transpose(-1, -2)  # [B, H_kv, C, C]

@@ -232,3 +232,65 @@ def test_recent_queries_are_scored_where_they_were_issued_and_as_many_for_every_
     expected = apply_rope(raw, model.rope_cos[positions][None], model.rope_sin[positions][None])
     assert scored[0].shape[2] == config.n_recent
     assert torch.allclose(scored[0], expected, atol=1e-5)
+
+
+def brute_force_weights(recent, context, visible, candidates):
+    """[B][H][R][C] by loops: query h of recent query r, softmax over the keys it could read."""
+    B, H, R, D = recent.shape
+    H_kv = context.shape[1]
+    out = torch.zeros(B, H, R, len(candidates[0]))
+    for b in range(B):
+        for h in range(H):
+            kv = h // (H // H_kv)
+            for r in range(R):
+                seen = [j for j in range(context.shape[2]) if visible[b, kv, r, j]]
+                logits = torch.tensor([float(recent[b, h, r] @ context[b, kv, j]) / math.sqrt(D) for j in seen])
+                weight = dict(zip(seen, logits.softmax(0).tolist()))
+                out[b, h, r] = torch.tensor([weight.get(int(c), 0.0) for c in candidates[b]])
+    return out
+
+
+def brute_force_pool(scores, kernel, how):
+    """Along the last axis, each value replaced by the max or mean of its window (edges clipped)."""
+    out = torch.empty_like(scores)
+    for i in range(scores.shape[-1]):
+        window = scores[..., max(0, i - kernel // 2) : i + kernel // 2 + 1]
+        out[..., i] = window.amax(-1) if how == "max" else window.mean(-1)
+    return out
+
+
+def test_each_baseline_equals_its_definition_by_brute_force():
+    """RPC, SnapKV, TOVA and R-KV on a tiny case: the softmax of each recent query over the keys it
+    could read (prompt and window included, later keys excluded), reduced as each paper reduces it."""
+    from compression.policies import ScoringInputs
+
+    g = torch.Generator().manual_seed(0)
+    B, H, H_kv, R, S, D = 2, 4, 2, 3, 12, 8
+    recent = torch.randn(B, H, R, D, generator=g)
+    context = torch.randn(B, H_kv, S, D, generator=g)
+    candidates = torch.tensor([[2, 3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8, 9]])  # [B, C] after a prompt of 2 / 3 slots
+    slot_position = torch.arange(S)
+    issued = torch.tensor([[9, 10, 11], [9, 10, 11]])  # [B, R]
+    visible = (slot_position[None, None, None, :] <= issued[:, None, :, None]).expand(B, H_kv, R, S).clone()
+    visible[1, :, :, 11] = False  # a slot not in use in row 1
+    x = ScoringInputs(recent=recent, beacons=recent[:, :, :0], keys=context.gather(2, candidates[:, None, :, None].expand(B, H_kv, 7, D)),
+                      context=context, visible=visible, candidate_slots=candidates, config=CompressionConfig(), generator=g)
+    weights = brute_force_weights(recent, context, visible, candidates)  # [B, H, R, C]
+    grouped = weights.view(B, H_kv, H // H_kv, R, -1)
+    expected = {
+        "rpc": brute_force_pool(grouped.mean(dim=(2, 3)), 7, "mean"),
+        "snapkv": brute_force_pool(grouped.sum(dim=3).mean(dim=2), 7, "max"),
+        "tova": grouped[:, :, :, -1].mean(dim=2),
+    }
+    for policy, want in expected.items():
+        assert torch.allclose(SCORERS[policy](x), want, atol=1e-6), policy
+    importance = brute_force_pool(grouped.mean(dim=(2, 3)), 7, "max")
+    importance = importance / importance.sum(-1, keepdim=True)
+    keys = torch.nn.functional.normalize(x.keys, dim=-1)
+    C = keys.shape[2]
+    redundancy = torch.zeros(B, H_kv, C)  # a key's mean cosine similarity to the other candidates
+    for b in range(B):
+        for k in range(H_kv):
+            for i in range(C):
+                redundancy[b, k, i] = sum(float(keys[b, k, i] @ keys[b, k, j]) for j in range(C) if j != i) / (C - 1)
+    assert torch.allclose(SCORERS["rkv"](x), 0.1 * importance - 0.9 * redundancy.softmax(-1), atol=1e-6)
