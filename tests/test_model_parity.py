@@ -141,11 +141,14 @@ def test_weights_are_laid_out_for_the_cpu_kernels_and_stay_tied(dtype, tiny_chec
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
 @pytest.mark.parametrize("kind,dtype,mapped", [("llama", torch.float32, {"embed.weight"}), ("llama", torch.bfloat16, set()), ("llama_tied", torch.float32, set())])
-def test_only_an_untied_embedding_stays_in_the_file_and_copies_leave_no_map_behind(kind, dtype, mapped, tiny_checkpoint):
+def test_only_an_untied_embedding_stays_in_the_file_and_copies_leave_no_map_behind(kind, dtype, mapped, tiny_checkpoint, tmp_path):
     """In the file's own dtype an untied embedding table is a view of the memory-mapped file (only
     the rows looked up become resident); every other weight is a copy, and no map of the file
     outlives the copying (the pages it touched would stay resident beside the copies)."""
-    folder = tiny_checkpoint(kind)[0]  # float32 on disk
+    import shutil
+
+    folder = tmp_path / kind  # a copy of its own: models other tests still hold map the shared one
+    shutil.copytree(tiny_checkpoint(kind)[0], folder)  # float32 on disk
     model = load_model(folder, dtype, CPU)
     maps = []
     for line in Path("/proc/self/maps").read_text().splitlines():
