@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from errors import UserError
 
-POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "random")
+POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
 AGGREGATIONS = ("max", "mean", "lse")
 
 

@@ -6,6 +6,7 @@ budget at the same step. Queries are written into a static buffer from inside th
 everything else happens between steps.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -48,6 +49,23 @@ def record_query(
     slot.copy_(n_beacon + (slot - n_beacon + 1) % n_recent)
 
 
+def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Inside the decode step, H2O's statistic: add the softmax attention of this step's queries
+    [L, B, H, 1, D] (rotated here by cos/sin [B, D] of their position) over the slots in use, the
+    new one included, summed over the heads of each KV group, to `received` [L, B, H_kv, S]. The
+    new token's slot starts from zero: it may hold an evicted token's sum."""
+    L, B, H, _, D = queries.shape
+    H_kv, S = cache.k.shape[2], cache.k.shape[3]
+    new_slot = cache.length.view(1, B, 1, 1).expand(L, B, H_kv, 1)
+    received.scatter_(3, new_slot, 0.0)
+    rotated = apply_rope(queries.flatten(0, 1), cos[:, None].repeat(L, 1, 1), sin[:, None].repeat(L, 1, 1))  # [L*B, H, 1, D]
+    grouped = rotated.view(L, B, H_kv, H // H_kv, D).float()
+    logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, cache.k.float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
+    readable = torch.arange(S, device=cache.k.device)[None, :] <= cache.length[:, None]  # [B, S]
+    logits = logits.masked_fill(~readable[None, :, None, None, :], float("-inf"))
+    received += logits.softmax(dim=-1).sum(dim=3)
+
+
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         L, B, _, S, D = cache.k.shape
@@ -61,6 +79,11 @@ class CompressionManager:
         # [B, n_recent] the position each recent query was issued at: it is scored rotated there,
         # as it attended when it was issued (the beacons are rotated to the current position).
         self.issued_at = torch.zeros(B, config.n_recent, dtype=torch.int64, device=cache.k.device)
+        # H2O: [L, B, H_kv, S] the attention each slot has received so far, summed over the steps
+        # and the heads of its group; compaction moves it with the slot's K and V.
+        self.received: torch.Tensor | None = None
+        if config.policy == "h2o":
+            self.track_received_attention()
         self.steps = 0  # decode steps so far, each of which recorded one query (host count)
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
@@ -69,10 +92,18 @@ class CompressionManager:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
 
+    def track_received_attention(self) -> None:
+        """Accumulate H2O's statistic from the next step on (H2O's own manager does from the start;
+        the evaluation's full-cache recorder does it so that H2O can resume from its snapshots)."""
+        L, B, H_kv, S, _ = self.cache.k.shape
+        self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.k.device)
+
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
         self.queries.zero_()
         self.issued_at.zero_()
+        if self.received is not None:
+            self.received.zero_()
         self.query_slot.fill_(self.n_beacon)
         self.steps = self.generated = 0
         self.compacted = False
@@ -80,6 +111,8 @@ class CompressionManager:
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Called inside the decode step with that step's queries [L, B, H, 1, D], issued at positions [B]."""
         record_query(self.queries, self.issued_at, self.query_slot, queries, positions, self.n_beacon, self.config.n_recent)
+        if self.received is not None:
+            accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions])
 
     def seed(self, prompt_queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
         """After prefill: the first beacons are the farthest points among the prompt's queries [L, B, H, T, D]."""
@@ -97,7 +130,8 @@ class CompressionManager:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n = n_new[0]
         for t in range(max(0, n - self.config.n_recent), n):
-            self.record(queries[:, :, :, t : t + 1], self.cache.position + t)
+            # Into the ring only: H2O's sums count the attention of decoded tokens alone.
+            record_query(self.queries, self.issued_at, self.query_slot, queries[:, :, :, t : t + 1], self.cache.position + t, self.n_beacon, self.config.n_recent)
             self._count_query()
         self.generated += n
 
@@ -154,7 +188,9 @@ class CompressionManager:
             keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
+            received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
             inputs = ScoringInputs(
+                received=received,
                 beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
@@ -168,7 +204,8 @@ class CompressionManager:
             keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
         keep = torch.stack(keep)  # [L, B, H_kv, budget]
 
-        compact_in_place([cache.k, cache.v, positions], cache.prompt_length, keep, n_candidates, config.window)
+        moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
+        compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True

@@ -21,6 +21,7 @@ class ScoringInputs:
     candidate_slots: torch.Tensor  # [B, C] where the candidates sit in `context`
     config: CompressionConfig
     generator: torch.Generator
+    received: torch.Tensor | None = None  # [B, H_kv, C] H2O: the attention each candidate has received so far
 
 
 def beacon(x: ScoringInputs) -> torch.Tensor:
@@ -65,6 +66,12 @@ def rkv(x: ScoringInputs, importance_weight: float = 0.1) -> torch.Tensor:
     return importance_weight * importance - (1 - importance_weight) * redundancy
 
 
+def h2o(x: ScoringInputs) -> torch.Tensor:
+    """H2O (heavy hitters): the attention a key has received from every query since it was
+    written, accumulated inside the decode step."""
+    return x.received
+
+
 def streaming(x: ScoringInputs) -> torch.Tensor:
     """StreamingLLM: the prompt (the attention sinks) and the newest tokens; the oldest go first."""
     B, H_kv, C, _ = x.keys.shape
@@ -84,5 +91,6 @@ SCORERS: dict[str, Callable[[ScoringInputs], torch.Tensor]] = {
     "snapkv": snapkv,
     "tova": tova,
     "rkv": rkv,
+    "h2o": h2o,
     "random": random,
 }

@@ -109,4 +109,6 @@ def advanced_by_step(
         state.append(seen)
     if compression is not None:
         state.append(compression.query_slot)
+    if compression is not None and compression.received is not None:
+        state.append(compression.received)
     return state

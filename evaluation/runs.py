@@ -134,6 +134,12 @@ def _copy_manager(source: CompressionManager, compression: CompressionConfig, ca
         raise ValueError("the snapshot's query buffer does not match the policy's")
     manager.queries.copy_(source.queries[:, :, :, skip:])
     manager.issued_at.copy_(source.issued_at)
+    if source.received is not None:
+        if manager.received is None:
+            manager.track_received_attention()
+        manager.received.copy_(source.received[..., : manager.received.shape[3]])
+    elif manager.received is not None:
+        raise ValueError("the snapshot holds no accumulated attention, which H2O resumes from")
     manager.query_slot.copy_(source.query_slot - skip)
     manager.steps, manager.generated = source.steps, source.generated
     return manager
@@ -195,6 +201,8 @@ def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_runs: Calla
     n_steps = batch.length - 1
     firsts = {b: config.first_compaction(b) for b in config.budgets}
     state = start(model, batch, recorder(config, batch), batch.n_positions)
+    if "h2o" in config.policies:
+        state.manager.track_received_attention()
     log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
     seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts.values() if f <= n_steps))
     seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache

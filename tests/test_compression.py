@@ -165,18 +165,20 @@ def test_a_budget_larger_than_the_generation_gives_the_full_cache_tokens(tiny_ch
     assert result.tokens == full and result.compression.compactions == 0
 
 
-def test_compiled_step_with_query_recording_equals_eager(tiny_checkpoint):
+@pytest.mark.parametrize("policy", ["beacon", "h2o"])
+def test_compiled_step_with_query_recording_equals_eager(policy, tiny_checkpoint):
+    """Recording queries (and for H2O accumulating attention) inside the step compiles with fullgraph."""
     model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
     prompts = [[3, 9, 27, 81], [5, 25, 125]]
-    config = CompressionConfig(policy="beacon", budget=10, hysteresis=4, window=3, n_beacon=3, n_recent=5)
+    config = CompressionConfig(policy=policy, budget=10, hysteresis=4, window=3, n_beacon=3, n_recent=5)
     eager = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
     compiled = generate(model, prompts, 40, eos_ids=frozenset(), compression=config, compile=True)
     assert compiled.tokens == eager.tokens and compiled.compression.compactions == eager.compression.compactions > 0
 
 
 def test_bad_compression_options_are_refused():
-    with pytest.raises(UserError, match="unknown --kv-policy 'h2o'"):
-        CompressionConfig(policy="h2o")
+    with pytest.raises(UserError, match="unknown --kv-policy 'h3o'"):
+        CompressionConfig(policy="h3o")
     with pytest.raises(UserError, match="--kv-budget must be >= 1"):
         CompressionConfig(policy="beacon", budget=0)
     with pytest.raises(UserError, match="unknown --kv-aggregation"):
@@ -294,3 +296,36 @@ def test_each_baseline_equals_its_definition_by_brute_force():
             for i in range(C):
                 redundancy[b, k, i] = sum(float(keys[b, k, i] @ keys[b, k, j]) for j in range(C) if j != i) / (C - 1)
     assert torch.allclose(SCORERS["rkv"](x), 0.1 * importance - 0.9 * redundancy.softmax(-1), atol=1e-6)
+
+
+def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_checkpoint):
+    """The attention each slot received, summed inside the decode step over the steps and a
+    group's heads, equals the sum of the softmax attention of every decoded query, recomputed
+    from one prefill of the whole sequence."""
+    from engine.generation import Session
+    from models.rope import apply_rope
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="h2o", budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
+    session = Session(model, 1, 64, frozenset(), compression=config)
+    prompt = [5 + 3 * i for i in range(9)]
+    fed = [session.prefill([prompt])[0]]
+    for _ in range(20):
+        fed.append(session.step()[0])
+    sequence = prompt + fed[:-1]  # the last sampled token was never fed
+    n = len(sequence)
+
+    cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
+    positions = torch.arange(n)[None]
+    _, queries = model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, return_queries=True)
+    L, _, H, _, D = queries.shape
+    H_kv = cache.k.shape[2]
+    expected = torch.zeros(L, H_kv, n)
+    for layer in range(L):
+        rotated = apply_rope(queries[layer], model.rope_cos[positions], model.rope_sin[positions])[0]  # [H, T, D]
+        for t in range(len(prompt), n):  # the decoded tokens' queries
+            for h in range(H):
+                keys = cache.k[layer, 0, h // (H // H_kv), : t + 1]  # [t + 1, D]
+                expected[layer, h // (H // H_kv), : t + 1] += (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
+    got = session.manager.received[:, 0, :, :n]
+    assert torch.allclose(got, expected, atol=1e-4)

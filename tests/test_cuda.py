@@ -27,7 +27,7 @@ def test_graph_replay_equals_eager_token_for_token(kind, tiny_checkpoint):
     assert graphed == eager
 
 
-@pytest.mark.parametrize("policy", ["beacon", "snapkv", "streaming"])
+@pytest.mark.parametrize("policy", ["beacon", "snapkv", "streaming", "h2o"])
 def test_compaction_between_replays_keeps_graph_and_eager_equal(policy, tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
     prompts = prompts_of([5, 17], seed=1)

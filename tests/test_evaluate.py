@@ -112,7 +112,7 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
 def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tiny_folder, tiny_model):
     model = tiny_model
     batch = random_batch()
-    config = small_config(tiny_folder, policies=("beacon", "rpc", "tova"))
+    config = small_config(tiny_folder, policies=("beacon", "rpc", "tova", "h2o"))
     runs = run_all(model, batch, config, lambda budget, runs: None)
     for policy in config.policies:
         state, compactions = run_from_start(model, batch, config.compression(policy, 10))
