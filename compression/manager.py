@@ -196,6 +196,7 @@ class CompressionManager:
                 keys=keys,
                 context=cache.k[layer, :, :, :S],
                 visible=visible,
+                in_use=in_use,
                 candidate_slots=candidate_slots,
                 config=config,
                 generator=self.generator,

@@ -18,6 +18,7 @@ class ScoringInputs:
     keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
     context: torch.Tensor  # [B, H_kv, S, D] every key in the cache: prompt, candidates, window
     visible: torch.Tensor  # [B, H_kv, R, S] bool: the keys each recent query could read when it was issued
+    in_use: torch.Tensor  # [B, S] bool: the context slots that hold a key (rows of a batch differ in length)
     candidate_slots: torch.Tensor  # [B, C] where the candidates sit in `context`
     config: CompressionConfig
     generator: torch.Generator
@@ -54,16 +55,34 @@ def tova(x: ScoringInputs) -> torch.Tensor:
     return attention_weights(x)[:, :, :, -1].mean(dim=2)
 
 
-def rkv(x: ScoringInputs, importance_weight: float = 0.1) -> torch.Tensor:
-    """R-KV: importance (pooled attention of the recent queries) minus redundancy (a key much like
-    many other keys is cheap to lose), both as distributions over the candidates."""
-    importance = pool(attention_weights(x).mean(dim=(2, 3)), kernel=7, how="max")
-    importance = importance / importance.sum(-1, keepdim=True)
-    unit = torch.nn.functional.normalize(x.keys.float(), dim=-1)
-    similarity = unit @ unit.transpose(-1, -2)  # [B, H_kv, C, C]
-    C = similarity.shape[-1]
-    redundancy = ((similarity.sum(-1) - 1) / max(C - 1, 1)).softmax(dim=-1)  # self-similarity excluded
-    return importance_weight * importance - (1 - importance_weight) * redundancy
+def rkv(x: ScoringInputs, mix: float = 0.07, threshold: float = 0.5) -> torch.Tensor:
+    """R-KV, as its reference code scores: mix x importance - (1 - mix) x redundancy.
+
+    Importance: each recent query's logits, max over the group's heads, softmax over the keys it
+    could read outside the protected window, mean over the queries, max-pooled. Redundancy: a
+    key's mean cosine similarity to every key in the cache, softmax-normalised, where each key
+    leaves out of its row the newest key more similar to it than `threshold` (that one is the
+    copy worth keeping)."""
+    window_start = x.candidate_slots[:, -1:] + 1  # [B, 1]
+    S = x.context.shape[2]
+    slots = torch.arange(S, device=x.context.device)
+    outside_window = slots[None, :] < window_start  # [B, S]
+    logits = attention_logits(x.recent, x.context).amax(dim=2)  # [B, H_kv, R, S]
+    logits = logits.masked_fill(~(x.visible & outside_window[:, None, None, :]), float("-inf"))
+    weights = logits.softmax(dim=-1).mean(dim=2)  # [B, H_kv, S]
+    C = x.candidate_slots.shape[1]
+    candidates = x.candidate_slots[:, None, :].expand(*weights.shape[:2], C)
+    importance = pool(weights.gather(2, candidates), kernel=7, how="max")
+
+    unit = torch.nn.functional.normalize(x.context.float(), dim=-1, eps=1e-8)
+    similarity = unit @ unit.transpose(-1, -2)  # [B, H_kv, S, S]
+    pair_in_use = x.in_use[:, None, :, None] & x.in_use[:, None, None, :]
+    similarity = similarity.masked_fill(~pair_in_use | torch.eye(S, dtype=torch.bool, device=slots.device), 0.0)
+    newest_similar = torch.where(similarity > threshold, slots, 0).amax(dim=-1, keepdim=True)  # [B, H_kv, S, 1]
+    similarity = similarity.scatter(-1, newest_similar, 0.0)
+    n_in_use = x.in_use.sum(dim=-1).view(-1, 1, 1)
+    redundancy = (similarity.sum(dim=-2) / n_in_use).masked_fill(~x.in_use[:, None, :], float("-inf")).softmax(dim=-1)
+    return mix * importance - (1 - mix) * redundancy.gather(2, candidates)
 
 
 def h2o(x: ScoringInputs) -> torch.Tensor:

@@ -275,8 +275,10 @@ def test_each_baseline_equals_its_definition_by_brute_force():
     issued = torch.tensor([[9, 10, 11], [9, 10, 11]])  # [B, R]
     visible = (slot_position[None, None, None, :] <= issued[:, None, :, None]).expand(B, H_kv, R, S).clone()
     visible[1, :, :, 11] = False  # a slot not in use in row 1
+    in_use = torch.ones(B, S, dtype=torch.bool)
+    in_use[1, 11] = False
     x = ScoringInputs(recent=recent, beacons=recent[:, :, :0], keys=context.gather(2, candidates[:, None, :, None].expand(B, H_kv, 7, D)),
-                      context=context, visible=visible, candidate_slots=candidates, config=CompressionConfig(), generator=g)
+                      context=context, visible=visible, in_use=in_use, candidate_slots=candidates, config=CompressionConfig(), generator=g)
     weights = brute_force_weights(recent, context, visible, candidates)  # [B, H, R, C]
     grouped = weights.view(B, H_kv, H // H_kv, R, -1)
     expected = {
@@ -286,16 +288,31 @@ def test_each_baseline_equals_its_definition_by_brute_force():
     }
     for policy, want in expected.items():
         assert torch.allclose(SCORERS[policy](x), want, atol=1e-6), policy
-    importance = brute_force_pool(grouped.mean(dim=(2, 3)), 7, "max")
-    importance = importance / importance.sum(-1, keepdim=True)
-    keys = torch.nn.functional.normalize(x.keys, dim=-1)
-    C = keys.shape[2]
-    redundancy = torch.zeros(B, H_kv, C)  # a key's mean cosine similarity to the other candidates
+    # R-KV as its reference code scores: logits max over the group, softmax outside the window.
+    G, C = H // H_kv, candidates.shape[1]
+    importance = torch.zeros(B, H_kv, C)
+    redundancy = torch.zeros(B, H_kv, C)
     for b in range(B):
+        window_start = int(candidates[b, -1]) + 1
+        used = [j for j in range(S) if in_use[b, j]]
         for k in range(H_kv):
-            for i in range(C):
-                redundancy[b, k, i] = sum(float(keys[b, k, i] @ keys[b, k, j]) for j in range(C) if j != i) / (C - 1)
-    assert torch.allclose(SCORERS["rkv"](x), 0.1 * importance - 0.9 * redundancy.softmax(-1), atol=1e-6)
+            mean_weight = torch.zeros(S)
+            for r in range(R):
+                readable = [j for j in range(S) if visible[b, k, r, j] and j < window_start]
+                logits = torch.tensor([max(float(recent[b, k * G + g, r] @ context[b, k, j]) for g in range(G)) / math.sqrt(D) for j in readable])
+                mean_weight[readable] += logits.softmax(0) / R
+            importance[b, k] = brute_force_pool(mean_weight[candidates[b]], 7, "max")
+            unit = torch.nn.functional.normalize(context[b, k], dim=-1)
+            column_sums = torch.zeros(S)
+            for i in used:
+                row = {j: float(unit[i] @ unit[j]) for j in used if j != i}
+                similar = [j for j, value in row.items() if value > 0.5]
+                row[max(similar) if similar else 0] = 0.0  # the newest similar key is left out
+                for j, value in row.items():
+                    column_sums[j] += value
+            share = (column_sums[used] / len(used)).softmax(0)
+            redundancy[b, k] = torch.tensor([float(share[used.index(int(c))]) for c in candidates[b]])
+    assert torch.allclose(SCORERS["rkv"](x), 0.07 * importance - 0.93 * redundancy, atol=1e-6)
 
 
 def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_checkpoint):
