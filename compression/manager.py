@@ -58,7 +58,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
     H_kv, S = cache.k.shape[2], cache.k.shape[3]
     new_slot = cache.length.view(1, B, 1, 1).expand(L, B, H_kv, 1)
     received.scatter_(3, new_slot, 0.0)
-    rotated = apply_rope(queries.flatten(0, 1), cos[:, None].repeat(L, 1, 1), sin[:, None].repeat(L, 1, 1))  # [L*B, H, 1, D]
+    rotated = apply_rope(queries, cos[:, None], sin[:, None])  # [L, B, H, 1, D]: cos/sin broadcast over layers and heads
     grouped = rotated.view(L, B, H_kv, H // H_kv, D).float()
     logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, cache.k.float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
     readable = torch.arange(S, device=cache.k.device)[None, :] <= cache.length[:, None]  # [B, S]
@@ -129,6 +129,10 @@ class CompressionManager:
         if len(set(n_new)) != 1:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n = n_new[0]
+        if self.received is not None:  # the new slots may hold evicted tokens' sums
+            new_slots = self.cache.length[:, None] + torch.arange(n, device=self.cache.k.device)  # [B, n]
+            L, B, H_kv = self.received.shape[:3]
+            self.received.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
         for t in range(max(0, n - self.config.n_recent), n):
             # Into the ring only: H2O's sums count the attention of decoded tokens alone.
             record_query(self.queries, self.issued_at, self.query_slot, queries[:, :, :, t : t + 1], self.cache.position + t, self.n_beacon, self.config.n_recent)

@@ -1,6 +1,7 @@
 """ModelConfig: the few numbers that define a Llama / Mistral / Qwen2 / Qwen3 transformer, read from config.json."""
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -137,38 +138,27 @@ class _Fields:
             f"but must be {expected}; correct it in that file"
         )
 
+    def _typed(self, name: str, default: object, accepts: Callable[[object], bool], expected: str) -> object:
+        value = self._value(name, default)
+        if value is None:
+            return default
+        if not accepts(value):
+            raise self._wrong(name, value, expected)
+        return value
+
     def integer(self, name: str, default: int | _Required = _REQUIRED) -> int:
         """A positive integer: every integer of a model config is a count or a size."""
-        value = self._value(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self._wrong(name, value, "a positive integer")
-        return value
+        return self._typed(name, default, _is_count, "a positive integer")
 
     def number(self, name: str, default: float | None | _Required = _REQUIRED) -> float | None:
-        value = self._value(name, default)
-        if value is None:
-            return default
-        if not _is_number(value):
-            raise self._wrong(name, value, "a number")
-        return float(value)
+        value = self._typed(name, default, _is_number, "a number")
+        return None if value is None else float(value)
 
     def flag(self, name: str, default: bool) -> bool:
-        value = self._value(name, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._wrong(name, value, "true or false")
-        return value
+        return self._typed(name, default, lambda v: isinstance(v, bool), "true or false")
 
     def text(self, name: str, default: str) -> str:
-        value = self._value(name, default)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise self._wrong(name, value, "a string")
-        return value
+        return self._typed(name, default, lambda v: isinstance(v, str), "a string")
 
     def numbers(self, name: str, count: int) -> tuple[float, ...]:
         """A list of exactly `count` numbers (required)."""
@@ -185,6 +175,10 @@ class _Fields:
         if not isinstance(value, dict):
             raise self._wrong(name, value, "an object {...} or null")
         return _Fields(value, self.source, self.needed_by, prefix=f"{self.prefix}{name}.") if value else None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _is_number(value: object) -> bool:

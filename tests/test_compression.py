@@ -346,3 +346,20 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
                 expected[layer, h // (H // H_kv), : t + 1] += (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
     got = session.manager.received[:, 0, :, :n]
     assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_h2o_counts_nothing_yet_for_the_tokens_a_chat_turn_appends(tiny_checkpoint):
+    """After a compaction the slots past the kept ones still hold evicted tokens' sums: a turn's
+    tokens written there start from zero, since no decoded query has read them."""
+    from engine.generation import Session
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="h2o", budget=8, hysteresis=4, window=4)
+    session = Session(model, 1, 64, frozenset(), compression=config)
+    session.prefill([[5, 9, 13, 17]])
+    while session.stats.compactions < 1:
+        session.step()
+    held = int(session.cache.length[0])
+    assert session.manager.received[:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
+    session.prefill([[21, 25, 29, 33, 37, 41]])
+    assert session.manager.received[:, 0, :, held : held + 6].abs().sum() == 0

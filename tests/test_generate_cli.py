@@ -173,3 +173,11 @@ def test_stop_string_ends_the_answer_before_it(chat_checkpoint, capsys):
     assert code == 0
     assert out == full[: full.index(stop)] + "\n"
     assert int(err.split("new tokens: ")[1].split()[0]) < 40  # generation really stopped
+
+
+def test_a_folder_without_config_json_exits_2(chat_checkpoint, capsys, tmp_path):
+    folder = tmp_path / "no-config"
+    shutil.copytree(chat_checkpoint, folder)
+    (folder / "config.json").unlink()
+    code, _, err = run_main(capsys, "--checkpoint", str(folder), "--prompt", "x")
+    assert code == 2 and "has no config.json" in err and "Traceback" not in err

@@ -35,8 +35,10 @@ def read_config(checkpoint: Path) -> ModelConfig:
 
 def stored_dtype(checkpoint: Path) -> str | None:
     """The dtype config.json says the weights were saved in ("bfloat16", ...), if it says."""
+    read_config(checkpoint)  # a missing or damaged config.json: its one clear error, before the read below
     raw = json.loads((checkpoint / "config.json").read_text())
-    return raw.get("dtype") or raw.get("torch_dtype")
+    dtype = raw.get("dtype") or raw.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -235,15 +237,14 @@ def read_state(located: dict[str, Path], config: ModelConfig, dtype: torch.dtype
     for name, sources in engine_sources(config).items():
         if name == "embed.weight" and config.tie_word_embeddings:
             continue  # the LM head's copy serves both (two copies would meet at the loading peak)
-        shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
-        with _open_safetensors(located[sources[0]]) as f:
-            file_dtype = SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype())
-        if name == "embed.weight" and not config.tie_word_embeddings and device.type == "cpu" and file_dtype == dtype:
+        if name == "embed.weight" and device.type == "cpu":
             with _open_safetensors(located[sources[0]]) as f:
-                state[name] = f.get_tensor(sources[0])  # a view: the map stays open as long as the tensor lives
-        else:
-            column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
-            state[name] = read_copy(located, sources, shape, dtype, device, column_major)
+                if SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype()) == dtype:
+                    state[name] = f.get_tensor(sources[0])  # a view: the map stays open as long as the tensor lives
+                    continue
+        shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
+        column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
+        state[name] = read_copy(located, sources, shape, dtype, device, column_major)
     if config.tie_word_embeddings:
         state["embed.weight"] = state["lm_head.weight"]
     return state
