@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,9 +45,12 @@ import torch
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from errors import UserError, run_command
+from evaluation.coding import HumanEvalConfig, evaluate_humaneval, read_humaneval
+from evaluation.coding_report import write as write_humaneval
 from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, TASKS, EvalConfig
 from evaluation.harness import evaluate
 from evaluation.report import read_results, write
+from evaluation.humaneval import LAST_PROBLEM, check_range
 from evaluation.runs import log
 from weights.packaged import CHECKPOINTS, QWEN_CODER_NAME, SMOLLM2_NAME
 
@@ -67,50 +71,71 @@ def resolve_model(name: str) -> Path:
     return Path(name)
 
 
-def parse_args(argv: list[str] | None) -> EvalConfig:
+HUMANEVAL_BUDGETS = (16, 32, 64)  # small enough to bite: a completion is ~100-300 tokens
+QUICK_PROBLEMS = (0, 3)
+
+
+def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p = argparse.ArgumentParser(prog="python evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=["retrieval", "humaneval"], default="retrieval", help="retrieval: the synthetic traces (and tasks 2-5 on the same batch); humaneval: pass@1 on HumanEval 0-99")
     p.add_argument("--model", default="smollm2", help="smollm2, qwen-coder, or a checkpoint folder")
     p.add_argument("--policies", help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference")
-    p.add_argument("--budgets", help="comma-separated generated tokens kept by a compaction (default 32,64,128; --quick: 16)")
+    p.add_argument("--budgets", help="comma-separated generated tokens kept by a compaction; for retrieval a number below 1 is a fraction of --length (default retrieval 0.05,0.1,0.25, --quick 0.1; humaneval 16,32,64, --quick 16)")
     p.add_argument("--hysteresis", type=int, help="compact when the kept part exceeds budget + this (default 16; --quick: 8)")
     p.add_argument("--window", type=int, help="recent tokens never evicted (default 16; --quick: 8)")
     p.add_argument("--n-beacon", type=int, help="BeaconKV beacons per layer and query head (default 16; --quick: 4)")
     p.add_argument("--n-recent", type=int, help="recent queries buffered: every policy's observation window (default 16; --quick: 8)")
     p.add_argument("--aggregation", choices=AGGREGATIONS, default=CompressionConfig().aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {','.join(TASKS)}")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"retrieval: what to score on the batch, comma-separated, from {','.join(TASKS)}")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="float32 (default: faster than bfloat16 for batched matmuls on CPUs without native bf16) or bfloat16")
-    p.add_argument("--length", type=int, help=f"tokens per stream after its prompt (default {FULL.length}; --quick: {QUICK.length})")
-    p.add_argument("--traces", type=int, help=f"reasoning traces (default {FULL.n_traces}; --quick: {QUICK.n_traces})")
-    p.add_argument("--out", type=Path, default=Path("docs/eval"), help="folder for results.md, results.json, quality_vs_budget.png")
-    p.add_argument("--quick", action="store_true", help="three short streams, one budget, three policies: a smoke run")
+    p.add_argument("--length", type=int, help=f"retrieval: tokens per stream after its prompt (default {FULL.length}; --quick: {QUICK.length})")
+    p.add_argument("--traces", type=int, help=f"retrieval: traces of each kind, with and without revisit hints (default {FULL.n_traces}; --quick: {QUICK.n_traces})")
+    p.add_argument("--problems", help=f"humaneval: FIRST-LAST, within 0-{LAST_PROBLEM} (default 0-{LAST_PROBLEM}; --quick: {QUICK_PROBLEMS[0]}-{QUICK_PROBLEMS[1]})")
+    p.add_argument("--max-new-tokens", type=int, help="humaneval: tokens per answer at most (default 512; --quick: 48)")
+    p.add_argument("--batch", type=int, default=25, help="humaneval: problems decoded together, batched by the full cache's answer lengths (default 25)")
+    p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds each program may run (default 10)")
+    p.add_argument("--out", type=Path, help="folder for results.md, results.json and the plot (default docs/eval/MODEL/TASK); a run stopped there resumes")
+    p.add_argument("--restart", action="store_true", help="overwrite the results in --out instead of resuming them")
+    p.add_argument("--quick", action="store_true", help="a smoke run: short streams or four problems, one budget, three policies")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a small shared CPU a second thread slows the small matmuls down; 0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    budgets, hysteresis, window, n_beacon, n_recent = QUICK_COMPRESSION if a.quick else FULL_COMPRESSION
-    policies = _names(a.policies, POLICIES, "--policies") if a.policies else QUICK_POLICIES if a.quick else POLICIES
-    tasks = _names(a.tasks, TASKS, "--tasks")
-    sizes = QUICK if a.quick else FULL
-    sizes = replace(sizes, length=a.length or sizes.length, n_traces=a.traces if a.traces is not None else sizes.n_traces)
+    _, hysteresis, window, n_beacon, n_recent = QUICK_COMPRESSION if a.quick else FULL_COMPRESSION
+    policies = tuple(x for x in (_names(a.policies, POLICIES, "--policies") if a.policies else QUICK_POLICIES if a.quick else POLICIES) if x != "none")
     if a.threads:
         torch.set_num_threads(a.threads)
-    config = EvalConfig(
-        checkpoint=resolve_model(a.model),
-        policies=tuple(x for x in policies if x != "none"),
-        budgets=tuple(sorted(_numbers(a.budgets))) if a.budgets else budgets,
-        hysteresis=_default(a.hysteresis, hysteresis),
-        window=_default(a.window, window),
-        n_beacon=_default(a.n_beacon, n_beacon),
-        n_recent=_default(a.n_recent, n_recent),
-        aggregation=a.aggregation,
-        tasks=tasks,
-        dtype=a.dtype,
-        out=a.out,
-        sizes=sizes,
-        seed=a.seed,
-    )
+    checkpoint = resolve_model(a.model)
+    out = a.out or Path("docs/eval") / (a.model if a.model in MODELS else checkpoint.name) / (a.task + ("-quick" if a.quick else ""))
+    shared = dict(
+        checkpoint=checkpoint, policies=policies, hysteresis=_default(a.hysteresis, hysteresis), window=_default(a.window, window),
+        n_beacon=_default(a.n_beacon, n_beacon), n_recent=_default(a.n_recent, n_recent), aggregation=a.aggregation, dtype=a.dtype, out=out, seed=a.seed,
+    )  # fmt: skip
+    if a.task == "humaneval":
+        first, last = _problems(a.problems) if a.problems else QUICK_PROBLEMS if a.quick else (0, LAST_PROBLEM)
+        check_range(first, last)
+        if a.batch < 1 or a.timeout <= 0:
+            raise UserError("--batch must be >= 1 and --timeout > 0")
+        budgets = _numbers(a.budgets) if a.budgets else HUMANEVAL_BUDGETS[:1] if a.quick else HUMANEVAL_BUDGETS
+        if any(b < 1 for b in budgets):
+            raise UserError("humaneval --budgets are token counts (whole numbers >= 1)")
+        max_new = _default(a.max_new_tokens, 48 if a.quick else 512)
+        config = HumanEvalConfig(**shared, budgets=tuple(sorted(int(b) for b in budgets)), first=first, last=last, max_new_tokens=max_new, batch=a.batch, timeout_s=a.timeout)
+    else:
+        sizes = QUICK if a.quick else FULL
+        sizes = replace(sizes, length=a.length or sizes.length, n_traces=a.traces if a.traces is not None else sizes.n_traces)
+        budgets = _budgets(_numbers(a.budgets) if a.budgets else (QUICK_COMPRESSION if a.quick else FULL_COMPRESSION)[0], sizes.length)
+        config = EvalConfig(**shared, budgets=budgets, tasks=_names(a.tasks, TASKS, "--tasks"), sizes=sizes)
     for budget in config.budgets:
         config.compression("beacon", budget)  # every number checked, with the engine's own messages
     return config
+
+
+def _problems(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise UserError(f"--problems takes FIRST-LAST, e.g. 0-{LAST_PROBLEM}; got {text!r}") from None
 
 
 def _names(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
@@ -121,11 +146,27 @@ def _names(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
     return tuple(x for x in allowed if x in names)
 
 
-def _numbers(text: str) -> tuple[int, ...]:
+def _numbers(text: str) -> tuple[float, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        numbers = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise UserError(f"--budgets takes comma-separated integers, got {text!r}") from None
+        raise UserError(f"--budgets takes comma-separated numbers, got {text!r}") from None
+    if not numbers or any(x <= 0 or (x > 1 and x != int(x)) for x in numbers):
+        raise UserError(f"--budgets takes token counts (whole numbers) or fractions of --length between 0 and 1, got {text!r}")
+    return numbers
+
+
+def _budgets(numbers: tuple[float, ...], length: int) -> tuple[int, ...]:
+    """Token budgets; a number below 1 is that fraction of the stream's length."""
+    budgets = sorted({max(1, round(x * length)) if x < 1 else int(x) for x in numbers})
+    return tuple(budgets)
+
+
+def _json_keys(path: Path) -> set[str]:
+    try:
+        return set(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read results from {path}: {e}") from e
 
 
 def _default(given: int | None, default: int) -> int:
@@ -136,13 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
 
     def body() -> None:
-        if args[:1] == ["--report"]:  # python evaluate.py --report docs/eval/results.json
+        if args[:1] == ["--report"]:  # python evaluate.py --report docs/eval/smollm2/retrieval/results.json
             if len(args) != 2:
                 raise UserError("--report takes one results.json and nothing else")
-            print(write(read_results(Path(args[1])), Path(args[1]).parent))
+            path = Path(args[1])
+            print(write_humaneval(read_humaneval(path), path.parent) if "cells" in _json_keys(path) else write(read_results(path), path.parent))
             return
         config = parse_args(args)
-        results = evaluate(config, on_progress=lambda partial: write(partial, config.out))
+        saved = config.out / "results.json"
+        resume = saved.is_file() and "--restart" not in args
+        if isinstance(config, HumanEvalConfig):
+            humaneval = evaluate_humaneval(config, lambda partial: write_humaneval(partial, config.out), read_humaneval(saved) if resume else None)
+            print(write_humaneval(humaneval, config.out))
+            log(f"wrote {config.out}/results.md, results.json and pass_at_1.png; {humaneval.seconds / 60:.1f} min")
+            return
+        results = evaluate(config, on_progress=lambda partial: write(partial, config.out), previous=read_results(saved) if resume else None)
         print(write(results, config.out))
         log(f"wrote {config.out}/results.md, results.json and quality_vs_budget.png; {results.seconds['total'] / 60:.1f} min")
 

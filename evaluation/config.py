@@ -13,21 +13,23 @@ TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
 @dataclass(frozen=True)
 class Sizes:
     length: int  # tokens after each prompt: forced, or generated
-    n_traces: int  # reasoning traces (tasks 1 and 2)
-    n_recalls: int  # recalls per trace
+    n_traces: int  # reasoning traces of each kind, with and without revisit hints (tasks 1 and 2)
     n_text: int  # chunks of Python source (tasks 2 and 3)
     text_prompt: int  # their protected prefix, in tokens
     n_continuations: int  # prompts decoded freely (task 4)
     continuation_prompt: int
     future_queries: int  # K of task 2
+    attention_every: int  # task 2 looks at every n-th compaction (a long run would not hold the kept maps of all)
 
 
-# Sized so that the default run fits a 2-core CPU (the README gives its time per model); --quick is a smoke run.
-FULL = Sizes(length=256, n_traces=5, n_recalls=3, n_text=2, text_prompt=32, n_continuations=2, continuation_prompt=64, future_queries=16)
-QUICK = Sizes(length=144, n_traces=1, n_recalls=1, n_text=1, text_prompt=16, n_continuations=1, continuation_prompt=32, future_queries=4)
-# (budgets, hysteresis, window, n_beacon, n_recent) where the command line does not say.
-FULL_COMPRESSION = ((32, 64, 128), 16, 16, 16, 16)
-QUICK_COMPRESSION = ((16,), 8, 8, 4, 8)
+# The default run: about 41 recalls per trace of 2048 tokens, so >= 300 recalls of each kind on
+# SmolLM2 (the README gives its time per model); --quick is a smoke run.
+FULL = Sizes(length=2048, n_traces=8, n_text=2, text_prompt=32, n_continuations=2, continuation_prompt=64, future_queries=16, attention_every=8)
+QUICK = Sizes(length=400, n_traces=1, n_text=1, text_prompt=16, n_continuations=1, continuation_prompt=32, future_queries=4, attention_every=2)
+# (budgets, hysteresis, window, n_beacon, n_recent) where the command line does not say; budgets
+# below 1 are fractions of the stream's length.
+FULL_COMPRESSION = ((0.05, 0.10, 0.25), 16, 16, 16, 16)
+QUICK_COMPRESSION = ((0.1,), 8, 8, 4, 8)
 QUICK_POLICIES = ("beacon", "streaming", "snapkv")
 
 

@@ -72,6 +72,8 @@ def future_attention_recall(full: FullAttention, compactions: list[Compaction], 
     query heads and the next n_queries queries."""
     context, evictable = [], []
     for c in compactions:
+        if c.kept is None:
+            continue  # not one of the sampled compactions
         next_position = c.next_position[rows]
         if bool((next_position + n_queries > full.lengths).any()):
             continue  # fewer than n_queries queries follow
@@ -91,7 +93,8 @@ def full_cache_compactions(like: list[Compaction]) -> list[Compaction]:
     """The full cache seen at the moments of another run's compactions: every past position is kept."""
     out = []
     for c in like:
-        P = c.kept.shape[-1]
-        kept = (torch.arange(P)[None, :] < c.next_position[:, None])[None, :, None, :].expand_as(c.kept)
-        out.append(Compaction(c.step, c.next_position, kept))
+        if c.kept is not None:
+            P = c.kept.shape[-1]
+            kept = (torch.arange(P)[None, :] < c.next_position[:, None])[None, :, None, :].expand_as(c.kept)
+            out.append(Compaction(c.step, c.next_position, torch.ones_like(c.watched), kept))
     return out

@@ -22,11 +22,12 @@ from weights.tokenizer import Tokenizer
 
 
 def build_batch(tokenizer: Tokenizer, config: EvalConfig) -> Batch:
-    """The rows the selected tasks need (cost alone times every kind)."""
+    """The rows the selected tasks need (cost alone times every kind): each trace seed twice, with
+    and without revisit hints."""
     s, tasks = config.sizes, set(config.tasks) | ({"retrieval", "loss", "continuation"} if config.tasks == ("cost",) else set())
     rows = []
     if tasks & {"retrieval", "attention"}:
-        rows += [reasoning_trace(tokenizer, s.length, 1000 * config.seed + i, s.n_recalls) for i in range(s.n_traces)]
+        rows += [reasoning_trace(tokenizer, s.length, 1000 * config.seed + i, hints) for hints in (True, False) for i in range(s.n_traces)]
     if tasks & {"loss", "attention"}:
         rows += text_rows(tokenizer, s.n_text, s.text_prompt, s.length)
     if "continuation" in tasks:
@@ -34,8 +35,28 @@ def build_batch(tokenizer: Tokenizer, config: EvalConfig) -> Batch:
     return Batch(rows, s.length)
 
 
-def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None = None) -> Results:
-    """All tasks; on_progress(results so far) after the full cache and after each budget."""
+def settings_of(config: EvalConfig, batch: Batch) -> dict:
+    """What a run measured with, as JSON: a resumed run must match it."""
+    settings = asdict(config) | {"rows": [r.kind for r in batch.rows], "recalls": sum(len(r.recalls) for r in batch.rows)}
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resumable(previous: Results | None, settings: dict) -> frozenset[tuple[str, int]]:
+    """The (policy, budget) cells a previous run with the same settings finished."""
+    if previous is None:
+        return frozenset()
+    differ = sorted(k for k in settings if k not in RUN_ONLY and previous.config.get(k) != settings[k])
+    if differ:
+        raise UserError(f"{settings['out']} holds results measured with other settings ({', '.join(differ)}); pass --restart to overwrite them, or another --out")
+    return frozenset((p, int(b)) for p, b in previous.config.get("cells_done", []))
+
+
+RUN_ONLY = {"out"}  # settings that may differ between a run and its resumption
+
+
+def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None = None, previous: Results | None = None) -> Results:
+    """All tasks; on_progress(results so far) after the full cache and after each (policy, budget).
+    With `previous` (an interrupted run's results, same settings) its finished cells are kept, not redone."""
     started = time.perf_counter()
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
@@ -43,8 +64,13 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
     batch = build_batch(tokenizer, config)
     if batch.n_positions > model.config.max_position_embeddings:
         raise UserError(f"the streams need {batch.n_positions} positions, the model has {model.config.max_position_embeddings}: lower --length")
-    settings = asdict(config) | {"threads": torch.get_num_threads(), "rows": [r.kind for r in batch.rows], "recalls": sum(len(r.recalls) for r in batch.rows)}
-    results = Results(config.checkpoint.name, json.loads(json.dumps(settings, default=str)) | {"budgets_done": []})
+    settings = settings_of(config, batch)
+    done = resumable(previous, settings)
+    results = previous if done else Results(config.checkpoint.name, settings | {"cells_done": []})
+    earlier = results.seconds.get("total", 0.0)
+    if done:
+        log(f"resuming: {len(done)} of {len(config.policies) * len(config.budgets)} cells already done in {config.out}")
+    results.config["threads"] = torch.get_num_threads()
     forced_rows = batch.indices("trace", "text")
     full_attention = None
     with torch.inference_mode():
@@ -54,29 +80,29 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
 
         full: Run | None = None
 
-        def on_runs(budget: int | None, runs: dict[str, Run]) -> None:
+        def on_run(run: Run) -> None:
             nonlocal full
-            if budget is None:
-                full = runs["none"]
-                score(results, batch, config, tokenizer, full, None, {})
+            if run.budget is None:
+                full = run
+                score(results, batch, config, tokenizer, full, None, None)
             else:
-                score(results, batch, config, tokenizer, full, budget, runs)
+                score(results, batch, config, tokenizer, full, run.budget, run)
                 if full_attention is not None:
-                    score_attention(results, full_attention, batch, config, budget, runs)
-                results.config["budgets_done"].append(budget)
-            results.seconds["total"] = time.perf_counter() - started
+                    score_attention(results, full_attention, batch, config, run)
+                results.config["cells_done"].append([run.policy, run.budget])
+            results.seconds["total"] = earlier + time.perf_counter() - started
             results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             if on_progress is not None:
                 on_progress(results)
 
         kinds = [r.kind for r in batch.rows]
-        log(f"{len(kinds)} rows ({kinds.count('trace')} traces, {kinds.count('text')} source chunks, {kinds.count('continuation')} free), {batch.length} tokens each")
-        run_all(model, batch, config, on_runs)
+        log(f"{len(kinds)} rows ({kinds.count('trace')} traces with {settings['recalls']} recalls, {kinds.count('text')} source chunks, {kinds.count('continuation')} free), {batch.length} tokens each")
+        run_all(model, batch, config, on_run, done, config.sizes.attention_every)
     return results
 
 
-def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokenizer, full: Run, budget: int | None, runs: dict[str, Run]) -> None:
-    """Tasks 1, 3, 4 and 5: the full cache's own numbers (budget None), or every policy's at a budget."""
+def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokenizer, full: Run, budget: int | None, run: Run | None) -> None:
+    """Tasks 1, 3, 4 and 5: the full cache's own numbers (budget None), or one policy's at a budget."""
     traces, text, free = batch.indices("trace"), batch.indices("text"), batch.indices("continuation")
     if budget is None:
         results.put("cost", "none", None, cost(full, len(batch.rows)))
@@ -89,22 +115,19 @@ def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokeniz
     after = min(config.first_compaction(budget) + 1, batch.length - 1)  # the first token a compaction can change
     if text and "loss" in config.tasks:
         results.put("loss", "none", budget, streaming_loss(full, full, text, after))
-    for policy, run in runs.items():
-        results.put("cost", policy, budget, cost(run, len(batch.rows)))
-        if traces and "retrieval" in config.tasks:
-            results.put("retrieval", policy, budget, retrieval(run, batch, tokenizer))
-        if text and "loss" in config.tasks:
-            results.put("loss", policy, budget, streaming_loss(run, full, text, after))
-        if free and "continuation" in config.tasks:
-            results.put("continuation", policy, budget, continuation(run, full, free, after))
+        results.put("loss", run.policy, budget, streaming_loss(run, full, text, after))
+    results.put("cost", run.policy, budget, cost(run, len(batch.rows)))
+    if traces and "retrieval" in config.tasks:
+        results.put("retrieval", run.policy, budget, retrieval(run, batch, tokenizer))
+    if free and "continuation" in config.tasks:
+        results.put("continuation", run.policy, budget, continuation(run, full, free, after))
 
 
-def score_attention(results: Results, full_attention: FullAttention, batch: Batch, config: EvalConfig, budget: int, runs: dict[str, Run]) -> None:
-    """Task 2 at one budget; the full cache is seen at the moments the policies compacted."""
+def score_attention(results: Results, full_attention: FullAttention, batch: Batch, config: EvalConfig, run: Run) -> None:
+    """Task 2 for one run; the full cache is seen at the moments this run compacted."""
     rows = batch.indices("trace", "text")
     prompt_lengths = torch.tensor([len(p) for p in batch.prompts])
     K = config.sizes.future_queries
-    for policy, run in runs.items():
-        results.put("attention", policy, budget, future_attention_recall(full_attention, run.compactions, rows, prompt_lengths, config.window, K))
-    schedule = next((r.compactions for r in runs.values() if r.compactions), [])
-    results.put("attention", "none", budget, future_attention_recall(full_attention, full_cache_compactions(schedule), rows, prompt_lengths, config.window, K))
+    results.put("attention", run.policy, run.budget, future_attention_recall(full_attention, run.compactions, rows, prompt_lengths, config.window, K))
+    if str(run.budget) not in results.attention.get("none", {}):
+        results.put("attention", "none", run.budget, future_attention_recall(full_attention, full_cache_compactions(run.compactions), rows, prompt_lengths, config.window, K))

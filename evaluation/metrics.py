@@ -16,6 +16,7 @@ class RetrievalResult:
     hits: list[bool]  # per recall, trace by trace
     distances: list[int]  # tokens between the statement and the recall
     kept: list[float] = field(default_factory=list)  # per recall: share of the (layer, KV head) caches holding the whole stated value then
+    hinted: list[bool] = field(default_factory=list)  # per recall: its trace has revisit hints
 
     @property
     def kept_mean(self) -> float:
@@ -25,20 +26,21 @@ class RetrievalResult:
 def retrieval(run: Run, batch: Batch, tokenizer: Tokenizer) -> RetrievalResult:
     """A recall succeeds when each answer token is the argmax given the ones before it (so greedy
     decoding writes the value) and the token after the value is not one more digit."""
-    hits, distances, kept = [], [], []
-    for b in batch.indices("trace"):
-        prompt = len(batch.prompts[b])
-        for r in batch.rows[b].recalls:
+    hits, distances, kept, hinted = [], [], [], []
+    watched = 0  # index into batch.watched, which lists the recalls in this order
+    for b, row in enumerate(batch.rows):
+        for r in row.recalls:
             answer = range(r.start, r.start + r.n_tokens)
-            exact = all(int(run.predicted[b, t]) == batch.rows[b].forced[t] for t in answer)
+            exact = all(int(run.predicted[b, t]) == row.forced[t] for t in answer)
             after = tokenizer.decode([int(run.predicted[b, r.start + r.n_tokens])]).strip()
             hits.append(exact and not after[:1].isdigit())
             distances.append(r.distance)
+            hinted.append(row.hints)
             # The cache that predicts the answer: as the last compaction before that step left it.
             before = [c for c in run.compactions if c.step < r.start]
-            value = slice(prompt + r.stated, prompt + r.stated + r.n_tokens)
-            kept.append(before[-1].kept[:, b, :, value].all(-1).float().mean().item() if before else 1.0)
-    return RetrievalResult(sum(hits) / max(len(hits), 1), hits, distances, kept)
+            kept.append(before[-1].watched[watched].item() if before else 1.0)
+            watched += 1
+    return RetrievalResult(sum(hits) / max(len(hits), 1), hits, distances, kept, hinted)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from pathlib import Path
 from errors import UserError
 from evaluation.future_attention import RecallShares
 from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
+from evaluation.statistics import mcnemar, wilson
+from evaluation.tasks import DISTANCE_BUCKETS
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,12 @@ class Column:
 
 COLUMNS = {
     "retrieval": Column(
-        "Retrieval: share of facts recalled",
-        "greedy decoding writes a value stated once in the trace, hundreds of tokens before the recall; in "
-        "brackets, the share of the (layer, KV head) caches that still held every token of the value at the recall",
-        lambda r: f"{r.success:.0%} ({sum(r.hits)}/{len(r.hits)}; {r.kept_mean:.0%})",
-        "retrieval: share of facts recalled",
+        "Retrieval: share of facts recalled, all traces",
+        "greedy decoding writes a value stated once in the trace, 100 to 3000 tokens before the recall; recalls "
+        "recalled / asked, then the Wilson 95% interval, then the share of the (layer, KV head) caches that still "
+        "held every token of the value at the recall",
+        lambda r: f"{r.success:.0%} {sum(r.hits)}/{len(r.hits)} {_interval(sum(r.hits), len(r.hits))}; {r.kept_mean:.0%}",
+        "retrieval: share of facts recalled (95% CI)",
         lambda r: r.success,
     ),
     "attention": Column(
@@ -89,6 +92,77 @@ def table(results: Results, task: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _interval(k: int, n: int) -> str:
+    low, high = wilson(k, n)
+    return f"[{low:.0%}, {high:.0%}]"
+
+
+def _bucket(distance: int) -> int:
+    return next(i for i, (low, high) in enumerate(DISTANCE_BUCKETS) if distance < high or i == len(DISTANCE_BUCKETS) - 1)
+
+
+def _recalls(result: RetrievalResult, hinted: bool | None = None, bucket: int | None = None) -> list[bool]:
+    """The hits of the recalls of one kind of trace (None: both) and one distance bucket (None: all)."""
+    return [
+        hit
+        for hit, h, d in zip(result.hits, result.hinted, result.distances)
+        if (hinted is None or h == hinted) and (bucket is None or _bucket(d) == bucket)
+    ]
+
+
+def retrieval_tables(results: Results) -> str:
+    """Retrieval by kind of trace and by distance, each share with its interval; then BeaconKV
+    against each other policy on the very same recalls (McNemar)."""
+    source, budgets = results.retrieval, [str(b) for b in results.config["budgets"]]
+    full = source.get("none", {}).get("full")
+    if full is None or not full.hinted:
+        return ""
+    policies = [p for p in results.config["policies"] if p in source]
+    buckets = [f"{low}-{high}" for low, high in DISTANCE_BUCKETS]
+    lines = []
+    for hinted, kind in ((True, "with revisit hints"), (False, "without revisit hints")):
+        lines += [
+            f"### Retrieval, traces {kind}, by fact-to-recall distance",
+            "",
+            "recalled / asked and the Wilson 95% interval, per distance bucket (tokens).",
+            "",
+            "| policy | budget | " + " | ".join(buckets) + " | all |",
+            "|---|---|" + "---|" * (len(buckets) + 1),
+        ]
+        rows = [("full cache", "", full)] + [(p, b, source[p][b]) for b in budgets for p in policies if b in source[p]]
+        for name, budget, result in rows:
+            cells = []
+            for bucket in [*range(len(buckets)), None]:
+                hits = _recalls(result, hinted, bucket)
+                cells.append(f"{sum(hits)}/{len(hits)} {_interval(sum(hits), len(hits))}" if hits else "")
+            lines.append(f"| {name} | {budget} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "beacon" in policies:
+        others = [p for p in policies if p != "beacon"]
+        lines += [
+            "### BeaconKV against each policy on the same recalls (McNemar's exact test)",
+            "",
+            "recalls only BeaconKV got / recalls only the other policy got, and the two-sided p-value; p < 0.05 marked *.",
+            "",
+            "| traces | budget | " + " | ".join(others) + " |",
+            "|---|---|" + "---|" * len(others),
+        ]
+        for hinted, kind in ((True, "hints"), (False, "no hints"), (None, "both")):
+            for b in budgets:
+                if b not in source["beacon"]:
+                    continue
+                cells = []
+                for other in others:
+                    if b not in source[other]:
+                        cells.append("")
+                        continue
+                    test = mcnemar(_recalls(source["beacon"][b], hinted), _recalls(source[other][b], hinted))
+                    cells.append(f"{test.only_a}/{test.only_b} p={test.p_value:.2g}{' *' if test.p_value < 0.05 else ''}")
+                lines.append(f"| {kind} | {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def markdown(results: Results) -> str:
     c, s = results.config, results.config["sizes"]
     kinds = c["rows"]
@@ -98,15 +172,20 @@ def markdown(results: Results) -> str:
         "Written by `python evaluate.py`; its docstring defines the tasks.",
         "",
         f"- budgets {c['budgets']}, hysteresis {c['hysteresis']}, window {c['window']}, n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c.get('aggregation', 'max')}; {c['dtype']}, torch threads: {c['threads']}",
-        f"- one batch of {len(kinds)} rows, {s['length']} tokens after each prompt: {kinds.count('trace')} reasoning traces "
-        f"({c['recalls']} recalls in all), {kinds.count('text')} chunks of Python source, {kinds.count('continuation')} free continuations; K = {s['future_queries']} future queries",
+        f"- one batch of {len(kinds)} rows, {s['length']} tokens after each prompt: {kinds.count('trace')} reasoning traces, half with revisit hints "
+        f"({c['recalls']} recalls in all), {kinds.count('text')} chunks of Python source, {kinds.count('continuation')} free continuations; "
+        f"K = {s['future_queries']} future queries, at one compaction in {s['attention_every']}",
         f"- wall time {results.seconds.get('total', 0) / 60:.1f} min, peak RSS {c.get('peak_rss_mib', 0):.0f} MiB",
     ]
-    if c.get("budgets_done", c["budgets"]) != c["budgets"]:
-        lines.append(f"- **partial results**: budgets done so far {c['budgets_done']} (the run is still going, or was stopped)")
+    cells = len(c["policies"]) * len(c["budgets"])
+    if len(c["cells_done"]) < cells:
+        lines.append(f"- **partial results**: {len(c['cells_done'])} of {cells} (policy, budget) cells done (the run is still going, or was stopped; run the same command again to resume)")
     lines += [f"- note: {n}" for n in results.notes]
     tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
-    return "\n".join(lines) + "\n\n" + "\n".join(t for t in (table(results, task) for task in tasks) if t)
+    tables = [table(results, task) for task in tasks]
+    if "retrieval" in c["tasks"]:
+        tables.insert(1, retrieval_tables(results))
+    return "\n".join(lines) + "\n\n" + "\n".join(t for t in tables if t)
 
 
 def _finite(x):
@@ -138,7 +217,13 @@ def plot(results: Results, path: Path) -> None:
             return [column.value(got.get(str(b), got.get("full"))) if str(b) in got or "full" in got else float("nan") for b in budgets]
 
         for policy in results.config["policies"]:
-            ax.plot(budgets, series(policy), marker="o", label=policy, linewidth=2.8 if policy == "beacon" else 1.2)
+            line = ax.plot(budgets, series(policy), marker="o", label=policy, linewidth=2.8 if policy == "beacon" else 1.2)[0]
+            if task == "retrieval":
+                intervals = [wilson(sum(r.hits), len(r.hits)) for r in (source.get(policy, {}).get(str(b)) for b in budgets) if r is not None]
+                if len(intervals) == len(budgets):
+                    shares = series(policy)
+                    below, above = [s - lo for s, (lo, _) in zip(shares, intervals)], [hi - s for s, (_, hi) in zip(shares, intervals)]
+                    ax.errorbar(budgets, shares, yerr=[below, above], fmt="none", ecolor=line.get_color(), capsize=3, linewidth=1)
         ax.plot(budgets, series("none"), "k--", label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])

@@ -1,7 +1,8 @@
 """One batch through the engine's decode path for every policy: the full cache once, snapshotted
 where each budget first compacts, then each policy at each budget resumed from its snapshot.
 
-The loop is `engine.generation.generate`'s: `prefill`, then `decode_step` with a
+Each (policy, budget) is a cell, handed over as soon as it is done, so that a killed run keeps
+every finished cell and a resumed one skips them. The loop is `engine.generation.generate`'s: `prefill`, then `decode_step` with a
 `CompressionManager` and `manager.after_step()` between steps. Trace and text rows are
 teacher-forced, continuation rows decoded greedily, all in the same batch. Resuming is exact:
 until its first compaction every policy computes what the full cache computes
@@ -40,6 +41,8 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.prompts = [r.prompt for r in self.rows]
+        # (row, first position, end) of each stated value, recall by recall: what a compaction keeps of it is recorded
+        self.watched = [(b, len(r.prompt) + c.stated, len(r.prompt) + c.stated + c.n_tokens) for b, r in enumerate(self.rows) for c in r.recalls]
         self.forced = torch.tensor([r.forced or [0] * self.length for r in self.rows])  # [B, T]
         self.free = torch.tensor([r.kind == "continuation" for r in self.rows])  # [B] rows decoded greedily
         self.n_positions = max(map(len, self.prompts)) + self.length
@@ -52,7 +55,8 @@ class Batch:
 class Compaction:
     step: int  # decode steps done when it happened
     next_position: torch.Tensor  # [B] absolute position of the next query
-    kept: torch.Tensor  # [L, B, H_kv, P] bool: the positions the cache holds after it (prefix, kept, window)
+    watched: torch.Tensor  # [len(batch.watched)] share of the (layer, KV head) caches holding the whole watched span after it
+    kept: torch.Tensor | None  # [L, B, H_kv, P] bool: the positions the cache holds after it (prefix, kept, window); on sampled compactions only
 
 
 @dataclass
@@ -154,10 +158,18 @@ def kept_positions(state: State, n_positions: int) -> torch.Tensor:
     return kept.scatter_(3, positions, True)[..., :n_positions]
 
 
-def advance(model: Transformer, state: State, batch: Batch, snapshot_at: frozenset[int] = frozenset()) -> tuple[float, dict[int, State], list[Compaction]]:
+def watched_kept(kept: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[len(batch.watched)]: for each watched span, the share of (layer, KV head) caches holding all of it."""
+    return torch.tensor([kept[:, b, :, start:end].all(-1).float().mean().item() for b, start, end in batch.watched])
+
+
+def advance(
+    model: Transformer, state: State, batch: Batch, snapshot_at: frozenset[int] = frozenset(), kept_every: int = 1
+) -> tuple[float, dict[int, State], list[Compaction]]:
     """Decode steps, each followed by manager.after_step(), until the stream's last token has been
     fed. Returns the seconds spent in the decode path and the manager (bookkeeping excluded), the
-    snapshots taken between a step and its after_step(), and the compactions."""
+    snapshots taken between a step and its after_step(), and the compactions; every kept_every-th
+    of them keeps the whole map of kept positions (long runs would not hold them all)."""
     n_steps = batch.length - 1  # the last token is predicted, never fed
     finished, no_eos, greedy = torch.zeros(len(batch.rows), dtype=torch.bool), torch.tensor([-1]), SamplingConfig()
     rows = torch.arange(len(batch.rows))
@@ -172,7 +184,9 @@ def advance(model: Transformer, state: State, batch: Batch, snapshot_at: frozens
             seconds += time.perf_counter() - tick
             state.after_step_due = False
             if state.manager.stats.compactions > done:
-                compactions.append(Compaction(state.step, state.cache.position.clone(), kept_positions(state, batch.n_positions)))
+                kept = kept_positions(state, batch.n_positions)
+                sampled = len(compactions) % kept_every == 0
+                compactions.append(Compaction(state.step, state.cache.position.clone(), watched_kept(kept, batch), kept if sampled else None))
         if state.step == n_steps:
             return seconds, snapshots, compactions
         t = state.step  # this step feeds token t of each stream and predicts token t + 1
@@ -195,9 +209,16 @@ def run_from_start(model: Transformer, batch: Batch, compression: CompressionCon
     return state, compactions
 
 
-def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_runs: Callable[[int | None, dict[str, Run]], None]) -> dict[tuple[str, int | None], Run]:
-    """The full cache once, then every policy at every budget resumed from its snapshot.
-    on_runs(None, {"none": run}) follows the full cache, on_runs(budget, {policy: run}) each budget."""
+def run_all(
+    model: Transformer,
+    batch: Batch,
+    config: EvalConfig,
+    on_run: Callable[[Run], None],
+    done: frozenset[tuple[str, int]] = frozenset(),
+    kept_every: int = 1,
+) -> None:
+    """The full cache once, then every (policy, budget) not in `done`, each resumed from the
+    snapshot of the full cache taken where its budget first compacts. on_run(run) follows each."""
     n_steps = batch.length - 1
     firsts = {b: config.first_compaction(b) for b in config.budgets}
     state = start(model, batch, recorder(config, batch), batch.n_positions)
@@ -208,18 +229,15 @@ def run_all(model: Transformer, batch: Batch, config: EvalConfig, on_runs: Calla
     seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache
     full = Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0)
     log(f"  full cache: {seconds:.0f} s")
-    runs: dict[tuple[str, int | None], Run] = {("none", None): full}
-    on_runs(None, {"none": full})
-    for budget in config.budgets:
-        for policy in config.policies:
-            if firsts[budget] > n_steps:
-                log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
-                runs[(policy, budget)] = replace(full, policy=policy, budget=budget)
-                continue
-            state = resume(model, snapshots[firsts[budget]], config.compression(policy, budget), batch.length)
-            seconds, _, compactions = advance(model, state, batch)
-            m = state.manager
-            runs[(policy, budget)] = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes)
-            log(f"  {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")
-        on_runs(budget, {p: runs[(p, budget)] for p in config.policies})
-    return runs
+    on_run(full)
+    cells = [(policy, budget) for budget in config.budgets for policy in config.policies if (policy, budget) not in done]
+    for i, (policy, budget) in enumerate(cells):
+        if firsts[budget] > n_steps:
+            log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
+            on_run(replace(full, policy=policy, budget=budget))
+            continue
+        state = resume(model, snapshots[firsts[budget]], config.compression(policy, budget), batch.length)
+        seconds, _, compactions = advance(model, state, batch, kept_every=kept_every)
+        m = state.manager
+        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes))
+        log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")

@@ -1,7 +1,8 @@
 """The data of the compression evaluation: token streams fed through the decode path.
 
 - Reasoning traces: step-by-step bookkeeping text in which each variable's value is stated once
-  ("Step 4: Let q7 = 1459.") among many other numbers, and recalled long after ("Recall: q7 =").
+  ("Step 4: Let q7 = 1459.") among many other numbers, and recalled once, 100 to 3000 tokens
+  later ("Step 61: Recall: q7 = 1459."); with or without revisit hints in between.
 - Real text: chunks of the Python standard library's own source files.
 - Continuation prompts: the openings of other standard-library files, for free greedy decoding.
 
@@ -10,6 +11,7 @@ Everything is seeded and built from the tokenizer alone, so two runs see the sam
 
 from __future__ import annotations
 
+import math
 import random
 import string
 import sysconfig
@@ -21,9 +23,12 @@ from weights.tokenizer import Tokenizer
 
 TRACE_REQUEST = (
     "Solve this bookkeeping puzzle step by step. Define each variable exactly once, work through the "
-    "intermediate arithmetic, and at the end recall the values of the variables you defined."
+    "intermediate arithmetic, and whenever a variable is needed again, recall its value."
 )
 NOUNS = ["crates", "jars", "boxes", "tickets", "bolts", "pages", "coins", "lamps", "cables", "seeds", "bricks", "shirts"]
+# Fact-to-recall distances in tokens, in buckets: a trace draws a bucket first (one that still fits),
+# then a distance log-uniformly inside it, so that short and long distances are equally common.
+DISTANCE_BUCKETS = ((100, 300), (300, 1000), (1000, 3000))
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Row:
     prompt: list[int]
     forced: list[int]  # empty for a continuation
     recalls: list[Recall] = field(default_factory=list)
+    hints: bool = False  # a trace with revisit hints ("I will need q7 again ...")
 
 
 def encode_plain(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -79,75 +85,77 @@ def _filler(rng: random.Random) -> str:
     return rng.choice(templates)
 
 
-def _variable_names(rng: random.Random, n: int) -> list[str]:
-    """Distinct names like q7, each letter used once so that no two names share their tokens."""
-    letters = rng.sample([c for c in string.ascii_lowercase if c not in "ilo"], n)
-    return [f"{c}{rng.randint(2, 9)}" for c in letters]
+LETTERS = [c for c in string.ascii_lowercase if c not in "ilo"]
 
 
-def reasoning_trace(tokenizer: Tokenizer, length: int, seed: int, n_recalls: int = 4) -> Row:
-    """A trace of exactly `length` forced tokens: facts stated in the first ~45%, plain arithmetic after,
-    then `n_recalls` recalls of facts stated at least 35% of the trace earlier, then more steps."""
+def _distance(rng: random.Random, room: int) -> int | None:
+    """A fact-to-recall distance that fits in `room` tokens, or None when not even the shortest does."""
+    fitting = [(low, min(high, room)) for low, high in DISTANCE_BUCKETS if low < room]
+    if not fitting:
+        return None
+    low, high = rng.choice(fitting)
+    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def reasoning_trace(tokenizer: Tokenizer, length: int, seed: int, hints: bool) -> Row:
+    """A trace of exactly `length` forced tokens in which facts ("Let q7 = 1459.") are stated and
+    each is recalled once ("Recall: q7 = 1459."), at a distance drawn from DISTANCE_BUCKETS, among
+    steps of plain arithmetic. Two facts waiting for their recall never share a letter, and a name
+    is never defined twice. With `hints`, some plain steps are revisiting thoughts about a waiting
+    fact (its name, never its value); without, the same stream has none."""
     rng = random.Random(seed)
-    names = _variable_names(rng, max(n_recalls + 2, length // 60))
-    values = {name: rng.randint(1000, 9999) for name in names}
-    lines = ["Let me work through this carefully, one step at a time."]
+    waiting: dict[str, tuple[int, int, int]] = {}  # name -> (value, statement index, recall due)
+    used: set[str] = set()
+    recalls: list[Recall] = []
+
+    def tokens(text: str) -> int:
+        return len(encode_plain(tokenizer, text))
+
+    text = "Let me work through this carefully, one step at a time.\n"
+    longest = tokens(text)  # tokens of the longest line so far: a recall is due at most one line late
     step = 0
-
-    def add(text: str) -> None:
-        nonlocal step
+    while True:
+        here = tokens(text)
+        due = min(waiting, key=lambda name: waiting[name][2], default=None)
         step += 1
-        lines.append(f"Step {step}: {text}")
-
-    def tokens_so_far() -> int:
-        return len(encode_plain(tokenizer, "\n".join(lines) + "\n"))
-
-    stated_at: dict[str, int] = {}
-    # The definitions, up to two filler steps apart, in the first ~45% of the trace.
-    for name in names:
-        if len(stated_at) >= n_recalls and tokens_so_far() >= 0.45 * length:
-            break
-        stated_at[name] = len(encode_plain(tokenizer, "\n".join(lines) + f"\nStep {step + 1}: Let {name} ="))
-        add(f"Let {name} = {values[name]}.")
-        for _ in range(rng.randint(0, 2)):
-            if tokens_so_far() < 0.45 * length:
-                add(_filler(rng))
-    names = list(stated_at)
-    recall_line = len(encode_plain(tokenizer, f"Recall: {names[0]} = {values[names[0]]}.\n"))
-    recall_block_tokens = n_recalls * recall_line + len(encode_plain(tokenizer, f"Step {step}: Now I recall the values defined above.\n"))
-    while True:  # plain steps, as many as leave room for the recalls
-        if rng.random() < 0.08:  # a revisiting thought: a variable's name, not its value
-            text = f"I will need {rng.choice(names)} again at the end, so I keep it in mind."
+        if due is not None and waiting[due][2] <= here:
+            value, stated, _ = waiting.pop(due)
+            query = text + f"Step {step}: Recall: {due} ="
+            start = tokens(query)
+            recalls.append(Recall(due, value, start, tokens(query + f" {value}") - start, stated, start - stated))
+            line = f"Step {step}: Recall: {due} = {value}.\n"
         else:
-            text = _filler(rng)
-        add(text)
-        if tokens_so_far() > length - recall_block_tokens - recall_line:
-            lines.pop()
-            step -= 1
+            free = [c for c in LETTERS if c not in {name[0] for name in waiting}]
+            distance = _distance(rng, length - here - 3 * longest)
+            names = [f"{c}{d}" for c in free for d in range(2, 10) if f"{c}{d}" not in used]
+            if distance is not None and names and rng.random() < 0.7:
+                name, value = rng.choice(names), rng.randint(1000, 9999)
+                used.add(name)
+                stated = tokens(text + f"Step {step}: Let {name} =")
+                waiting[name] = (value, stated, stated + distance)
+                line = f"Step {step}: Let {name} = {value}.\n"
+            elif hints and waiting and rng.random() < 0.35:
+                line = f"Step {step}: I will need {rng.choice(sorted(waiting))} again later, so I keep it in mind.\n"
+            else:
+                line = f"Step {step}: {_filler(rng)}\n"
+        text += line
+        longest = max(longest, tokens(line))
+        if tokens(text) >= length and not waiting:
             break
-    add("Now I recall the values defined above.")
-    here = tokens_so_far()
-    far = [name for name in names if here - stated_at[name] >= 0.35 * length] or names
-    recalled = rng.sample(far, min(n_recalls, len(far)))
-    text = "\n".join(lines) + "\n"
-    recalls = []
-    for name in recalled:
-        query = text + f"Recall: {name} ="
-        start = len(encode_plain(tokenizer, query))
-        text = query + f" {values[name]}.\n"
-        n_tokens = len(encode_plain(tokenizer, query + f" {values[name]}")) - start
-        recalls.append(Recall(name, values[name], start, n_tokens, stated_at[name], start - stated_at[name]))
-    while len(encode_plain(tokenizer, text)) < length:  # keep the stream going after the recalls
+    forced = encode_plain(tokenizer, text)[:length]
+    while len(forced) < length:  # plain steps to the end
         step += 1
         text += f"Step {step}: {_filler(rng)}\n"
-    forced = encode_plain(tokenizer, text)[:length]
+        forced = encode_plain(tokenizer, text)[:length]
+    recalls = [r for r in recalls if r.start + r.n_tokens < length]
     for r in recalls:
-        answer = tokenizer.decode(forced[r.start : r.start + r.n_tokens]).strip()
         if tokenizer.decode(forced[r.stated : r.stated + r.n_tokens]).strip() != str(r.value):
             raise ValueError(f"the statement of {r.variable} is not where the trace says")  # a tokenizer merging across "="
-        if r.start + r.n_tokens >= length or answer != str(r.value):
-            raise UserError(f"trace length {length} is too short for {n_recalls} recalls; raise the trace length")
-    return Row("trace", chat_prompt(tokenizer, TRACE_REQUEST), forced, recalls)
+        if tokenizer.decode(forced[r.start : r.start + r.n_tokens]).strip() != str(r.value):
+            raise ValueError(f"the recall of {r.variable} is not where the trace says")
+    if not recalls:
+        raise UserError(f"a trace of {length} tokens holds no recall; raise --length (at least {DISTANCE_BUCKETS[0][0] + 50})")
+    return Row("trace", chat_prompt(tokenizer, TRACE_REQUEST), forced, recalls, hints)
 
 
 def stdlib_sources() -> list[Path]:

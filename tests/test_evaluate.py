@@ -1,5 +1,6 @@
 """The evaluation harness (evaluate.py and evaluation/) on tiny random checkpoints."""
 
+import itertools
 import json
 import math
 import shutil
@@ -13,12 +14,13 @@ from compression.config import POLICIES, CompressionConfig
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
 from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
 from evaluation.runs import Batch, Compaction, recorder, run_all, run_from_start
-from evaluation.tasks import Row
+from evaluation.tasks import DISTANCE_BUCKETS, Row, reasoning_trace
 from engine.decode import prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
 from tiny_tokenizer import write_tiny_tokenizer
 from weights.loader import load_model
+from weights.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 
@@ -58,14 +60,15 @@ def small_config(folder: Path, budget: int = 10, **overrides) -> EvalConfig:
 def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
     # The tiny tokenizer spends ~3x the tokens of a real one on a line: longer streams than --quick's.
     code = evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join(POLICIES), "--length", "330", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, captured.err
     for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost"):
         assert title in out
     assert (tmp_path / "results.md").read_text() + "\n" == out
     assert (tmp_path / "quality_vs_budget.png").stat().st_size > 10_000
     data = json.loads((tmp_path / "results.json").read_text())
-    budget = str(QUICK_COMPRESSION[0][0])
+    budget = str(round(QUICK_COMPRESSION[0][0] * 330))
     for policy in POLICIES[1:]:
         assert 0 <= data["retrieval"][policy][budget]["success"] <= 1
         assert 0 <= data["attention"][policy][budget]["evictable"] <= 1
@@ -113,7 +116,8 @@ def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tin
     model = tiny_model
     batch = random_batch()
     config = small_config(tiny_folder, policies=("beacon", "rpc", "tova", "h2o"))
-    runs = run_all(model, batch, config, lambda budget, runs: None)
+    runs = {}
+    run_all(model, batch, config, lambda run: runs.setdefault((run.policy, run.budget), run))
     for policy in config.policies:
         state, compactions = run_from_start(model, batch, config.compression(policy, 10))
         resumed = runs[(policy, 10)]
@@ -121,6 +125,7 @@ def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tin
         torch.testing.assert_close(resumed.logprob, state.logprob, atol=1e-5, rtol=0)
         assert [c.step for c in resumed.compactions] == [c.step for c in compactions]
         assert all(torch.equal(a.kept, b.kept) for a, b in zip(resumed.compactions, compactions))
+        assert all(torch.equal(a.watched, b.watched) for a, b in zip(resumed.compactions, compactions))
 
 
 def brute_force_share(q_pre, keys, cos, sin, position, kept, region, G) -> float:
@@ -143,7 +148,7 @@ def test_future_attention_recall_matches_brute_force_and_is_one_for_the_full_cac
     prompt_lengths, window = torch.tensor([2, 3]), 2
     next_position = torch.tensor([9, 10])
     kept = torch.rand(L, B, H_kv, P) < 0.5
-    got = future_attention_recall(full, [Compaction(5, next_position, kept)], [0, 1], prompt_lengths, window, K)
+    got = future_attention_recall(full, [Compaction(5, next_position, torch.ones(0), kept)], [0, 1], prompt_lengths, window, K)
 
     context, evictable = [], []
     for l in range(L):
@@ -160,11 +165,14 @@ def test_future_attention_recall_matches_brute_force_and_is_one_for_the_full_cac
     assert got.evictable == pytest.approx(sum(evictable) / len(evictable), abs=1e-5)
     assert got.n_compactions == 1
 
-    everything = full_cache_compactions([Compaction(5, next_position, kept)])
+    everything = full_cache_compactions([Compaction(5, next_position, torch.ones(0), kept)])
     assert future_attention_recall(full, everything, [0, 1], prompt_lengths, window, K) == RecallShares(1.0, 1.0, 1)
-    # A compaction too close to the end of a stream (fewer than K queries follow) is left out.
-    late = Compaction(5, torch.tensor([9, P - 2]), kept)
+    # A compaction too close to the end of a stream (fewer than K queries follow) is left out,
+    # and so is one whose kept map was not sampled.
+    late = Compaction(5, torch.tensor([9, P - 2]), torch.ones(0), kept)
     assert future_attention_recall(full, [late], [0, 1], prompt_lengths, window, K).n_compactions == 0
+    unsampled = Compaction(5, next_position, torch.ones(0), None)
+    assert future_attention_recall(full, [unsampled], [0, 1], prompt_lengths, window, K).n_compactions == 0
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
@@ -183,3 +191,65 @@ def test_each_compaction_keeps_the_prompt_the_window_and_budget_more_positions(t
             assert (kept.sum(-1) == len(prompt) + 10 + config.window).all()
             if policy == "streaming":  # the newest tokens, nothing else
                 assert kept[..., : now - config.window - 10].sum(-1).eq(len(prompt)).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_folder):
+    return Tokenizer.from_dir(tiny_folder)
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_a_trace_states_each_fact_once_and_recalls_it_where_it_says(tiny_tokenizer, hints):
+    tokenizer, length = tiny_tokenizer, 3000
+    row = reasoning_trace(tokenizer, length, seed=5, hints=hints)
+    assert len(row.forced) == length and row.hints == hints
+    text = tokenizer.decode(row.forced)
+    assert ("I will need" in text) == hints
+    assert len(row.recalls) >= 5
+    for r in row.recalls:
+        assert tokenizer.decode(row.forced[: r.stated]).endswith(f"Let {r.variable} =")
+        assert tokenizer.decode(row.forced[: r.start]).endswith(f"Recall: {r.variable} =")
+        assert tokenizer.decode(row.forced[r.stated : r.stated + r.n_tokens]).strip() == str(r.value)
+        assert tokenizer.decode(row.forced[r.start : r.start + r.n_tokens]).strip() == str(r.value)
+        assert r.distance == r.start - r.stated >= DISTANCE_BUCKETS[0][0]
+        assert text.count(f"Let {r.variable} =") == 1 and text.count(f"Recall: {r.variable} =") == 1
+    # Two facts that wait for their recall at the same time never share a letter.
+    for a, b in itertools.combinations(row.recalls, 2):
+        if a.variable[0] == b.variable[0]:
+            assert a.start < b.stated or b.start < a.stated
+
+
+def test_the_traces_spread_their_distances_over_every_bucket(tiny_tokenizer):
+    distances = [r.distance for seed in range(3) for r in reasoning_trace(tiny_tokenizer, 4000, seed, hints=False).recalls]
+    for low, high in DISTANCE_BUCKETS:
+        assert any(low <= d < high for d in distances), (low, high)
+
+
+def quick_args(folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(folder), "--quick", "--policies", "streaming,snapkv", "--length", "330", "--out", str(out), *extra]
+
+
+def test_a_stopped_run_resumes_without_redoing_its_finished_cells(tiny_folder, tmp_path, capsys):
+    assert evaluate.main(quick_args(tiny_folder, tmp_path)) == 0
+    saved = tmp_path / "results.json"
+    data = json.loads(saved.read_text())
+    budget = str(round(QUICK_COMPRESSION[0][0] * 330))
+    assert data["config"]["cells_done"] == [["streaming", int(budget)], ["snapkv", int(budget)]]
+    # As a run stopped after its first cell leaves it, with a mark on the finished cell.
+    data["config"]["cells_done"] = data["config"]["cells_done"][:1]
+    for task in ("retrieval", "attention", "loss", "continuation", "cost"):
+        del data[task]["snapkv"]
+    data["cost"]["streaming"][budget]["tokens_per_s"] = 12345.0
+    saved.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert evaluate.main(quick_args(tiny_folder, tmp_path)) == 0
+    assert "resuming: 1 of 2 cells already done" in capsys.readouterr().err
+    again = json.loads(saved.read_text())
+    assert again["cost"]["streaming"][budget]["tokens_per_s"] == 12345.0  # kept, not redone
+    assert again["cost"]["snapkv"][budget]["tokens_per_s"] > 0  # done now
+    assert len(again["config"]["cells_done"]) == 2
+    # Other settings do not mix with the saved ones, unless told to start over.
+    assert evaluate.main(quick_args(tiny_folder, tmp_path, "--window", "6")) == 2
+    assert "--restart" in capsys.readouterr().err
+    assert evaluate.main(quick_args(tiny_folder, tmp_path, "--window", "6", "--restart")) == 0
+    assert json.loads(saved.read_text())["config"]["window"] == 6

@@ -1,0 +1,181 @@
+"""The HumanEval task: the model writes each completion itself under every KV policy and budget,
+and the completion passes when the problem's tests pass in a sandboxed subprocess.
+
+Generation is `engine.generation.generate`, batched over problems, greedy, from the chat
+template; a row ends at its end-of-turn token, at the code block's closing fence, or at
+max_new_tokens. Each (policy, budget) cell is saved as soon as it is done, so that a stopped run
+resumes with the cells it has.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cli import DTYPES
+from compression.config import CompressionConfig
+from engine.generation import generate
+from engine.stop_strings import cut_at_stop
+from errors import UserError
+from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
+from evaluation.runs import CPU, log
+from evaluation.sandbox import run_programs
+from evaluation.tasks import chat_prompt
+from weights.loader import load_model
+from weights.tokenizer import Tokenizer
+
+PUBLISHED_PASS_AT_1 = 0.616  # Qwen2.5-Coder-0.5B-Instruct on all 164 problems, its technical report
+
+
+@dataclass(frozen=True)
+class HumanEvalConfig:
+    checkpoint: Path
+    policies: tuple[str, ...]  # the compressing ones; the full cache always runs
+    budgets: tuple[int, ...]  # generated tokens kept
+    hysteresis: int
+    window: int
+    n_beacon: int
+    n_recent: int
+    aggregation: str
+    dtype: str
+    out: Path
+    first: int  # problems first..last (0..99 at most)
+    last: int
+    max_new_tokens: int
+    batch: int  # problems decoded together
+    timeout_s: float  # per program
+    seed: int = 0
+
+    def compression(self, policy: str, budget: int) -> CompressionConfig:
+        return CompressionConfig(policy, budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, self.seed)
+
+
+@dataclass
+class Cell:
+    """One policy at one budget (budget None: the full cache), problem by problem."""
+
+    policy: str
+    budget: int | None
+    passed: list[bool]
+    reasons: list[str]  # the sandbox's verdict per problem
+    new_tokens: list[int]
+    seconds: float  # generation, prefill included
+    compactions: int
+
+    @property
+    def pass_at_1(self) -> float:
+        return sum(self.passed) / len(self.passed)
+
+
+@dataclass
+class HumanEvalResults:
+    model: str
+    config: dict
+    cells: dict[str, Cell] = field(default_factory=dict)  # "none", "beacon/16", ...
+    answers: dict[str, list[str]] = field(default_factory=dict)  # the generated text per cell, to look at
+    seconds: float = 0.0
+
+
+def cell_key(policy: str, budget: int | None) -> str:
+    return "none" if budget is None else f"{policy}/{budget}"
+
+
+def stops_at_fence(tokenizer: Tokenizer, rows: int) -> Callable[[list[int | None]], list[int]]:
+    """on_tokens for generate: the rows whose answer has just written the closing fence."""
+    recent: list[list[int]] = [[] for _ in range(rows)]
+
+    def on_tokens(tokens: list[int | None]) -> list[int]:
+        stopped = []
+        for row, token in enumerate(tokens):
+            if token is not None:
+                recent[row] = recent[row][-7:] + [token]
+                if STOP in tokenizer.decode(recent[row]):
+                    stopped.append(row)
+        return stopped
+
+    return on_tokens
+
+
+def answer_text(tokenizer: Tokenizer, tokens: list[int]) -> str:
+    """The answer as the user would see it: up to the closing fence."""
+    return cut_at_stop(tokenizer.decode(tokens), [STOP])
+
+
+def run_cell(
+    model, tokenizer: Tokenizer, problems: list[Problem], config: HumanEvalConfig, policy: str, budget: int | None, expected: list[int]
+) -> tuple[Cell, list[str]]:
+    """Every problem under one policy and budget. A batch decodes until its longest answer ends,
+    so problems are batched by `expected` answer length (longest first): rows that end together."""
+    compression = config.compression(policy, budget) if budget is not None else CompressionConfig()
+    prompts = [chat_prompt(tokenizer, request(p)) for p in problems]
+    order = sorted(range(len(problems)), key=lambda i: -expected[i])
+    answers, new_tokens = [""] * len(problems), [0] * len(problems)
+    seconds, compactions = 0.0, 0
+    for first in range(0, len(problems), config.batch):
+        rows = order[first : first + config.batch]
+        tick = time.perf_counter()
+        result = generate(model, [prompts[i] for i in rows], config.max_new_tokens, tokenizer.eos_ids, compression=compression, on_tokens=stops_at_fence(tokenizer, len(rows)))
+        seconds += time.perf_counter() - tick
+        for i, tokens in zip(rows, result.tokens):
+            answers[i], new_tokens[i] = answer_text(tokenizer, tokens), len(tokens)
+        compactions += result.compression.compactions if result.compression is not None else 0
+    outcomes = run_programs([program(p, extract_code(a)) for p, a in zip(problems, answers)], config.timeout_s)
+    return Cell(policy, budget, [o.passed for o in outcomes], [o.reason for o in outcomes], new_tokens, seconds, compactions), answers
+
+
+def settings_of(config: HumanEvalConfig) -> dict:
+    return json.loads(json.dumps(asdict(config), default=str))
+
+
+def read_humaneval(path: Path) -> HumanEvalResults:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read results from {path}: {e}") from e
+    cells = {k: Cell(**c) for k, c in raw["cells"].items()}
+    return HumanEvalResults(raw["model"], raw["config"], cells, raw["answers"], raw["seconds"])
+
+
+def write_json(results: HumanEvalResults, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(asdict(results), indent=1))
+
+
+def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEvalResults], None], previous: HumanEvalResults | None = None) -> HumanEvalResults:
+    """Every cell not already in `previous` (a stopped run with the same settings), in order."""
+    started = time.perf_counter()
+    settings = settings_of(config)
+    if previous is not None:
+        differ = sorted(k for k in settings if k != "out" and previous.config.get(k) != settings[k])
+        if differ:
+            raise UserError(f"{config.out} holds results measured with other settings ({', '.join(differ)}); pass --restart to overwrite them, or another --out")
+    results = previous or HumanEvalResults(config.checkpoint.name, settings)
+    earlier = results.seconds
+    problems = load_problems(config.first, config.last)
+    log(f"loading {config.checkpoint} in {config.dtype}")
+    model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
+    tokenizer = Tokenizer.from_dir(config.checkpoint)
+    cells = [("none", None)] + [(p, b) for b in config.budgets for p in config.policies]
+    todo = [c for c in cells if cell_key(*c) not in results.cells]
+    if len(todo) < len(cells):
+        log(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already done in {config.out}")
+    with torch.inference_mode():
+        for i, (policy, budget) in enumerate(todo):
+            # The full cache's answer lengths predict the others'; before it, the prompts' lengths do.
+            full = results.cells.get("none")
+            expected = full.new_tokens if full is not None else [len(p.prompt) for p in problems]
+            cell, answers = run_cell(model, tokenizer, problems, config, policy, budget, expected)
+            results.cells[cell_key(policy, budget)] = cell
+            results.answers[cell_key(policy, budget)] = answers
+            results.seconds = earlier + time.perf_counter() - started
+            results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            results.config["threads"] = torch.get_num_threads()
+            log(f"  [{i + 1}/{len(todo)}] {cell_key(policy, budget)}: pass@1 {cell.pass_at_1:.0%}, {sum(cell.new_tokens)} tokens in {cell.seconds:.0f} s")
+            on_progress(results)
+    return results

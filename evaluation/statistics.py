@@ -1,0 +1,42 @@
+"""How sure a share is, and whether two policies differ on the same items.
+
+- Wilson's score interval for a binomial share (it stays inside [0, 1] and behaves at 0/n and n/n,
+  where the normal approximation does not).
+- McNemar's exact test for paired outcomes: only the items where the two policies disagree count;
+  under the null hypothesis each such item is a fair coin, so the p-value is a two-sided binomial tail.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Z_95 = 1.959963984540054
+
+
+def wilson(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """The 95% Wilson score interval of successes / n; (nan, nan) when n is 0."""
+    if n == 0:
+        return float("nan"), float("nan")
+    share = successes / n
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(share * (1 - share) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class Paired:
+    only_a: int  # items A got right and B wrong
+    only_b: int
+    p_value: float  # McNemar's exact two-sided test
+
+
+def mcnemar(a: list[bool], b: list[bool]) -> Paired:
+    """A against B on the same items, in the same order."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes need the same items: {len(a)} against {len(b)}")
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    n, k = only_a + only_b, min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(X <= k), X ~ Binomial(n, 1/2)
+    return Paired(only_a, only_b, min(1.0, 2 * tail))

