@@ -1,23 +1,29 @@
 """Every KV-cache policy on a real model, at equal budgets, through the engine's own decode path.
 
-    python evaluate.py --model smollm2          # the full run (see docs/eval/results.md)
-    python evaluate.py --model smollm2 --quick  # a smoke run
-    python evaluate.py --report docs/eval/results.json  # tables and plot again, from the JSON
+    python evaluate.py --model smollm2 --dtype bfloat16                    # retrieval (docs/eval/smollm2/retrieval)
+    python evaluate.py --task humaneval --model qwen-coder --dtype bfloat16  # docs/eval/qwen-coder/humaneval
+    python evaluate.py --model smollm2 --quick                             # a smoke run
+    python evaluate.py --report docs/eval/smollm2/retrieval/results.json   # tables and plot again
 
-Each policy runs `engine.decode.prefill` then `engine.decode.decode_step` with a
-`CompressionManager`, calling `manager.after_step()` between steps, as `engine.generation.generate`
-does. One batch holds three kinds of rows, all decoded together:
+Each finished (policy, budget) cell is written to --out at once; the same command run again
+resumes a stopped run and skips the cells it has (--restart starts over).
 
-- reasoning traces, teacher-forced (the forced token is copied into `tokens` before each step);
+--task retrieval. Each policy runs `engine.decode.prefill` then `engine.decode.decode_step` with
+a `CompressionManager`, calling `manager.after_step()` between steps, as
+`engine.generation.generate` does. One batch holds three kinds of rows, all decoded together:
+
+- reasoning traces of 2048 tokens, teacher-forced (the forced token is copied into `tokens`
+  before each step), half of them with revisit hints ("I will need q7 again later");
 - chunks of Python source, teacher-forced;
 - prompts decoded freely (greedy).
 
-Five tasks are scored from that one batch:
+Five measures are scored from that one batch (--tasks):
 
-1. retrieval     a value stated once inside a trace ("Let q7 = 1459.") and recalled hundreds of
-                 tokens later ("Recall: q7 ="): success = greedy decoding writes the value.
-2. attention     future-attention recall: at each compaction, the share of the attention of the next
-                 K queries (computed offline with the full cache) that lands on the kept positions.
+1. retrieval     values stated once inside a trace ("Let q7 = 1459.") and each recalled once,
+                 100 to 3000 tokens later ("Recall: q7 ="): success = greedy decoding writes the
+                 value. Wilson intervals per share, McNemar's test of BeaconKV against each policy.
+2. attention     future-attention recall: at every n-th compaction, the share of the attention of
+                 the next K queries (computed offline with the full cache) that lands on the kept positions.
 3. loss          teacher-forced next-token NLL on the Python source, after the first compaction.
 4. continuation  free greedy decoding against the full cache's: leading agreeing tokens, agreement.
 5. cost          decode tok/s, time per compaction and per FPS refresh, KV-cache bytes.
@@ -26,6 +32,10 @@ Every policy computes exactly what the full cache computes until its first compa
 full-cache run (whose manager records queries and beacons like any policy, and never compacts)
 is snapshotted between the step and `after_step()` where a budget first compacts, and each policy
 resumes from that snapshot. tests/test_evaluate.py checks that resuming equals running from the start.
+
+--task humaneval. HumanEval problems 0-99 (the rest are held out): the model writes each
+completion itself with `engine.generation.generate` (greedy, chat template), and it passes when
+the problem's tests pass in a sandboxed subprocess (evaluation/coding.py, evaluation/sandbox.py).
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ def run_cell(
         tick = time.perf_counter()
         result = generate(model, [prompts[i] for i in rows], config.max_new_tokens, tokenizer.eos_ids, compression=compression, on_tokens=stops_at_fence(tokenizer, len(rows)))
         seconds += time.perf_counter() - tick
+        log(f"    {cell_key(policy, budget)}: problems {first + 1}-{first + len(rows)} of {len(problems)}, {result.decode_steps} steps, {time.perf_counter() - tick:.0f} s")
         for i, tokens in zip(rows, result.tokens):
             answers[i], new_tokens[i] = answer_text(tokenizer, tokens), len(tokens)
         compactions += result.compression.compactions if result.compression is not None else 0
