@@ -47,6 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +63,7 @@ from evaluation.harness import evaluate
 from evaluation.report import read_results, write
 from evaluation.humaneval import LAST_PROBLEM, check_range
 from evaluation.runs import log
+from evaluation.tasks import MIN_LENGTH
 from weights.packaged import CHECKPOINTS, QWEN_CODER_NAME, SMOLLM2_NAME
 
 MODELS = {
@@ -86,7 +88,8 @@ QUICK_PROBLEMS = (0, 3)
 
 
 def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
-    p = argparse.ArgumentParser(prog="python evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No abbreviations: main() looks for --restart in the raw arguments.
+    p = argparse.ArgumentParser(prog="python evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--task", choices=["retrieval", "humaneval"], default="retrieval", help="retrieval: the synthetic traces (and tasks 2-5 on the same batch); humaneval: pass@1 on HumanEval 0-99")
     p.add_argument("--model", default="smollm2", help="smollm2, qwen-coder, or a checkpoint folder")
     p.add_argument("--policies", help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference")
@@ -123,18 +126,25 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     if a.task == "humaneval":
         first, last = _problems(a.problems) if a.problems else QUICK_PROBLEMS if a.quick else (0, LAST_PROBLEM)
         check_range(first, last)
-        if a.batch < 1 or a.timeout <= 0:
-            raise UserError("--batch must be >= 1 and --timeout > 0")
+        if a.batch < 1 or not 0 < a.timeout < math.inf:
+            raise UserError(f"--batch must be >= 1 and --timeout a number of seconds > 0; got {a.batch} and {a.timeout}")
         budgets = _numbers(a.budgets) if a.budgets else HUMANEVAL_BUDGETS[:1] if a.quick else HUMANEVAL_BUDGETS
-        if any(b < 1 for b in budgets):
-            raise UserError("humaneval --budgets are token counts (whole numbers >= 1)")
+        if any(b < 1 or b != int(b) for b in budgets):
+            raise UserError(f"humaneval --budgets are token counts (whole numbers >= 1), got {a.budgets}")
         max_new = _default(a.max_new_tokens, 48 if a.quick else 512)
-        config = HumanEvalConfig(**shared, budgets=tuple(sorted(int(b) for b in budgets)), first=first, last=last, max_new_tokens=max_new, batch=a.batch, timeout_s=a.timeout)
+        if max_new < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {max_new}")
+        config = HumanEvalConfig(**shared, budgets=tuple(sorted({int(b) for b in budgets})), first=first, last=last, max_new_tokens=max_new, batch=a.batch, timeout_s=a.timeout)
     else:
         sizes = QUICK if a.quick else FULL
-        sizes = replace(sizes, length=a.length or sizes.length, n_traces=a.traces if a.traces is not None else sizes.n_traces)
+        sizes = replace(sizes, length=_default(a.length, sizes.length), n_traces=_default(a.traces, sizes.n_traces))
+        if sizes.length < MIN_LENGTH or sizes.n_traces < 1:
+            raise UserError(f"--length must be >= {MIN_LENGTH} (shorter traces may hold no recall) and --traces >= 1; got {sizes.length} and {sizes.n_traces}")
         budgets = _budgets(_numbers(a.budgets) if a.budgets else (QUICK_COMPRESSION if a.quick else FULL_COMPRESSION)[0], sizes.length)
         config = EvalConfig(**shared, budgets=budgets, tasks=_names(a.tasks, TASKS, "--tasks"), sizes=sizes)
+        late = [b for b in budgets if config.first_compaction(b) >= sizes.length]
+        if late:
+            raise UserError(f"budget {late[0]} never compacts within --length {sizes.length} (it would measure the full cache); lower it or raise --length")
     for budget in config.budgets:
         config.compression("beacon", budget)  # every number checked, with the engine's own messages
     return config
@@ -161,7 +171,7 @@ def _numbers(text: str) -> tuple[float, ...]:
         numbers = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise UserError(f"--budgets takes comma-separated numbers, got {text!r}") from None
-    if not numbers or any(x <= 0 or (x > 1 and x != int(x)) for x in numbers):
+    if not numbers or any(not 0 < x < math.inf or (x > 1 and x != int(x)) for x in numbers):
         raise UserError(f"--budgets takes token counts (whole numbers) or fractions of --length between 0 and 1, got {text!r}")
     return numbers
 

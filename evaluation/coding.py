@@ -26,6 +26,7 @@ from errors import UserError
 from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
 from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
+from evaluation.saving import write_atomically
 from evaluation.tasks import chat_prompt
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
@@ -131,7 +132,8 @@ def run_cell(
 
 
 def settings_of(config: HumanEvalConfig) -> dict:
-    return json.loads(json.dumps(asdict(config), default=str))
+    """What a run measured with, as JSON: a resumed run must match it (another thread count may round differently)."""
+    return json.loads(json.dumps(asdict(config) | {"threads": torch.get_num_threads()}, default=str))
 
 
 def read_humaneval(path: Path) -> HumanEvalResults:
@@ -139,13 +141,16 @@ def read_humaneval(path: Path) -> HumanEvalResults:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read results from {path}: {e}") from e
-    cells = {k: Cell(**c) for k, c in raw["cells"].items()}
-    return HumanEvalResults(raw["model"], raw["config"], cells, raw["answers"], raw["seconds"])
+    try:
+        cells = {k: Cell(**c) for k, c in raw["cells"].items()}
+        return HumanEvalResults(raw["model"], raw["config"], cells, raw["answers"], raw["seconds"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path} is not the results of a HumanEval run of this version of evaluate.py (no {e}); run it again") from None
 
 
 def write_json(results: HumanEvalResults, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(asdict(results), indent=1))
+    write_atomically(out / "results.json", json.dumps(asdict(results), indent=1))
 
 
 def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEvalResults], None], previous: HumanEvalResults | None = None) -> HumanEvalResults:
@@ -176,7 +181,6 @@ def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEval
             results.answers[cell_key(policy, budget)] = answers
             results.seconds = earlier + time.perf_counter() - started
             results.config["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            results.config["threads"] = torch.get_num_threads()
             log(f"  [{i + 1}/{len(todo)}] {cell_key(policy, budget)}: pass@1 {cell.pass_at_1:.0%}, {sum(cell.new_tokens)} tokens in {cell.seconds:.0f} s")
             on_progress(results)
     return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evaluation.coding import PUBLISHED_PASS_AT_1, HumanEvalResults, cell_key, write_json
-from evaluation.statistics import mcnemar, wilson
+from evaluation.statistics import holm, mcnemar, wilson
 
 
 def _share(passed: list[bool]) -> str:
@@ -51,23 +51,25 @@ def markdown(results: HumanEvalResults) -> str:
             "",
             "### BeaconKV against each policy on the same problems (McNemar's exact test)",
             "",
-            "problems only BeaconKV solved / problems only the other solved, two-sided p-value; p < 0.05 marked *.",
+            "problems only BeaconKV solved / problems only the other solved, two-sided p-value; * where the Holm-adjusted "
+            "p over the whole table is < 0.05.",
             "",
             "| budget | " + " | ".join("full cache" if p == "none" else p for p in others) + " |",
             "|---" * (len(others) + 1) + "|",
         ]
-        for b in budgets:
-            beacon = cells.get(cell_key("beacon", b))
-            if beacon is None:
-                continue
-            row = []
-            for other in others:
-                against = cells.get(cell_key(other, b if other != "none" else None))
-                if against is None:
-                    row.append("")
-                    continue
-                test = mcnemar(beacon.passed, against.passed)
-                row.append(f"{test.only_a}/{test.only_b} p={test.p_value:.2g}{' *' if test.p_value < 0.05 else ''}")
+        done = [b for b in budgets if cell_key("beacon", b) in cells]
+        tests = {
+            (b, other): mcnemar(cells[cell_key("beacon", b)].passed, cells[key].passed)
+            for b in done
+            for other in others
+            if (key := cell_key(other, b if other != "none" else None)) in cells
+        }
+        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()])))
+        for b in done:
+            row = [
+                "" if (b, other) not in tests else f"{tests[b, other].only_a}/{tests[b, other].only_b} p={tests[b, other].p_value:.2g}{' *' if adjusted[b, other] < 0.05 else ''}"
+                for other in others
+            ]
             lines.append(f"| {b} | " + " | ".join(row) + " |")
     lines += ["", "### Cost", "", "generation seconds for all problems (prefill included), new tokens, compactions.", "", "| policy | budget | seconds | new tokens | compactions |", "|---|---|---|---|---|"]
     for key, cell in cells.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import time
@@ -37,7 +38,13 @@ def build_batch(tokenizer: Tokenizer, config: EvalConfig) -> Batch:
 
 def settings_of(config: EvalConfig, batch: Batch) -> dict:
     """What a run measured with, as JSON: a resumed run must match it."""
-    settings = asdict(config) | {"rows": [r.kind for r in batch.rows], "recalls": sum(len(r.recalls) for r in batch.rows)}
+    tokens = json.dumps([[r.prompt, r.forced, [asdict(c) for c in r.recalls]] for r in batch.rows])
+    settings = asdict(config) | {
+        "rows": [r.kind for r in batch.rows],
+        "recalls": sum(len(r.recalls) for r in batch.rows),
+        "batch_sha256": hashlib.sha256(tokens.encode()).hexdigest(),  # the very tokens: a changed generator does not resume
+        "threads": torch.get_num_threads(),  # another thread count may round differently
+    }
     return json.loads(json.dumps(settings, default=str))
 
 
@@ -70,7 +77,6 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
     earlier = results.seconds.get("total", 0.0)
     if done:
         log(f"resuming: {len(done)} of {len(config.policies) * len(config.budgets)} cells already done in {config.out}")
-    results.config["threads"] = torch.get_num_threads()
     forced_rows = batch.indices("trace", "text")
     full_attention = None
     with torch.inference_mode():
@@ -109,7 +115,7 @@ def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokeniz
         results.samples = [tokenizer.decode(full.predicted[b].tolist()) for b in free]
         if traces and "retrieval" in config.tasks:
             results.put("retrieval", "none", None, retrieval(full, batch, tokenizer))
-            if results.retrieval["none"]["full"].success < 0.5:
+            if results.retrieval["none"]["full"].success < 0.5 and not results.notes:
                 results.notes.append("the full cache recalls under half of the facts: the retrieval task says little about this model")
         return
     after = min(config.first_compaction(budget) + 1, batch.length - 1)  # the first token a compaction can change

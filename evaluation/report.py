@@ -10,7 +10,8 @@ from pathlib import Path
 from errors import UserError
 from evaluation.future_attention import RecallShares
 from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
-from evaluation.statistics import mcnemar, wilson
+from evaluation.saving import write_atomically
+from evaluation.statistics import holm, mcnemar, wilson
 from evaluation.tasks import DISTANCE_BUCKETS
 
 
@@ -142,23 +143,27 @@ def retrieval_tables(results: Results) -> str:
         lines += [
             "### BeaconKV against each policy on the same recalls (McNemar's exact test)",
             "",
-            "recalls only BeaconKV got / recalls only the other policy got, and the two-sided p-value; p < 0.05 marked *.",
+            "recalls only BeaconKV got / recalls only the other policy got, and the two-sided p-value; * where the "
+            "Holm-adjusted p over the whole table is < 0.05. Recalls of one trace share its cache, so they are not "
+            "independent draws: these p-values (and the intervals above) are optimistic for claims about new traces.",
             "",
             "| traces | budget | " + " | ".join(others) + " |",
             "|---|---|" + "---|" * len(others),
         ]
-        for hinted, kind in ((True, "hints"), (False, "no hints"), (None, "both")):
-            for b in budgets:
-                if b not in source["beacon"]:
-                    continue
-                cells = []
-                for other in others:
-                    if b not in source[other]:
-                        cells.append("")
-                        continue
-                    test = mcnemar(_recalls(source["beacon"][b], hinted), _recalls(source[other][b], hinted))
-                    cells.append(f"{test.only_a}/{test.only_b} p={test.p_value:.2g}{' *' if test.p_value < 0.05 else ''}")
-                lines.append(f"| {kind} | {b} | " + " | ".join(cells) + " |")
+        rows = [(kind, hinted, b) for hinted, kind in ((True, "hints"), (False, "no hints"), (None, "both")) for b in budgets if b in source["beacon"]]
+        tests = {
+            (kind, b, other): mcnemar(_recalls(source["beacon"][b], hinted), _recalls(source[other][b], hinted))
+            for kind, hinted, b in rows
+            for other in others
+            if b in source[other]
+        }
+        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()])))
+        for kind, _, b in rows:
+            cells = []
+            for other in others:
+                test = tests.get((kind, b, other))
+                cells.append("" if test is None else f"{test.only_a}/{test.only_b} p={test.p_value:.2g}{' *' if adjusted[(kind, b, other)] < 0.05 else ''}")
+            lines.append(f"| {kind} | {b} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -253,14 +258,19 @@ def read_results(path: Path) -> Results:
     def make(kind: type, fields: dict):
         return kind(**{k: float("nan") if v is None else v for k, v in fields.items()})
 
-    tasks = {t: {p: {b: make(kind, f) for b, f in by.items()} for p, by in raw[t].items()} for t, kind in RESULT_TYPES.items()}
-    return Results(raw["model"], raw["config"], **tasks, seconds=raw["seconds"], notes=raw["notes"], samples=raw.get("samples", []))
+    try:
+        tasks = {t: {p: {b: make(kind, f) for b, f in by.items()} for p, by in raw[t].items()} for t, kind in RESULT_TYPES.items()}
+        results = Results(raw["model"], raw["config"], **tasks, seconds=raw["seconds"], notes=raw["notes"], samples=raw.get("samples", []))
+        results.config["cells_done"], results.config["sizes"]["attention_every"]  # written by every run of this version
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{path} is not the results of a retrieval run of this version of evaluate.py (no {e}); run it again") from None
+    return results
 
 
 def write(results: Results, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(results)
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps(_finite(asdict(results)), indent=1))
+    write_atomically(out / "results.json", json.dumps(_finite(asdict(results)), indent=1))
     plot(results, out / "quality_vs_budget.png")
     return text

@@ -2,6 +2,7 @@
 
 - Wilson's score interval for a binomial share (it stays inside [0, 1] and behaves at 0/n and n/n,
   where the normal approximation does not).
+- Holm's step-down adjustment, for a table of many such tests read at once.
 - McNemar's exact test for paired outcomes: only the items where the two policies disagree count;
   under the null hypothesis each such item is a fair coin, so the p-value is a two-sided binomial tail.
 """
@@ -40,3 +41,16 @@ def mcnemar(a: list[bool], b: list[bool]) -> Paired:
     n, k = only_a + only_b, min(only_a, only_b)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(X <= k), X ~ Binomial(n, 1/2)
     return Paired(only_a, only_b, min(1.0, 2 * tail))
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-adjusted p-values, in the given order: the k-th smallest is multiplied by (m - k + 1),
+    and no adjusted value is below one of a smaller p. Rejecting where adjusted < 0.05 keeps the
+    chance of any false rejection in the whole family under 5%."""
+    m = len(p_values)
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted

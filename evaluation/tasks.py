@@ -29,6 +29,7 @@ NOUNS = ["crates", "jars", "boxes", "tickets", "bolts", "pages", "coins", "lamps
 # Fact-to-recall distances in tokens, in buckets: a trace draws a bucket first (one that still fits),
 # then a distance log-uniformly inside it, so that short and long distances are equally common.
 DISTANCE_BUCKETS = ((100, 300), (300, 1000), (1000, 3000))
+MIN_LENGTH = 300  # shorter traces may hold no recall at all
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,13 @@ def _distance(rng: random.Random, room: int) -> int | None:
 
 def reasoning_trace(tokenizer: Tokenizer, length: int, seed: int, hints: bool) -> Row:
     """A trace of exactly `length` forced tokens in which facts ("Let q7 = 1459.") are stated and
-    each is recalled once ("Recall: q7 = 1459."), at a distance drawn from DISTANCE_BUCKETS, among
-    steps of plain arithmetic. Two facts waiting for their recall never share a letter, and a name
-    is never defined twice. With `hints`, some plain steps are revisiting thoughts about a waiting
-    fact (its name, never its value); without, the same stream has none."""
+    recalled once ("Recall: q7 = 1459."), at a distance drawn from DISTANCE_BUCKETS, among steps of
+    plain arithmetic. Recalls fall due together at times and then come one line apart, so a few
+    land past the end of the trace: those facts stay as distractors, never recalled (about 4%).
+    Two facts waiting for their recall never share a letter, and a name is never defined twice.
+    With `hints`, some plain steps are revisiting thoughts about a waiting fact (its name, never
+    its value). The hints draw from the same generator, so a seed with and without hints gives
+    two different traces of the same kind: the two kinds are compared as samples, not pairwise."""
     rng = random.Random(seed)
     waiting: dict[str, tuple[int, int, int]] = {}  # name -> (value, statement index, recall due)
     used: set[str] = set()
@@ -154,7 +158,7 @@ def reasoning_trace(tokenizer: Tokenizer, length: int, seed: int, hints: bool) -
         if tokenizer.decode(forced[r.start : r.start + r.n_tokens]).strip() != str(r.value):
             raise ValueError(f"the recall of {r.variable} is not where the trace says")
     if not recalls:
-        raise UserError(f"a trace of {length} tokens holds no recall; raise --length (at least {DISTANCE_BUCKETS[0][0] + 50})")
+        raise UserError(f"a trace of {length} tokens holds no recall; raise --length (at least {MIN_LENGTH})")
     return Row("trace", chat_prompt(tokenizer, TRACE_REQUEST), forced, recalls, hints)
 
 

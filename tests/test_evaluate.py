@@ -253,3 +253,34 @@ def test_a_stopped_run_resumes_without_redoing_its_finished_cells(tiny_folder, t
     assert "--restart" in capsys.readouterr().err
     assert evaluate.main(quick_args(tiny_folder, tmp_path, "--window", "6", "--restart")) == 0
     assert json.loads(saved.read_text())["config"]["window"] == 6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--budgets", "nan"], "--budgets takes"),
+        (["--budgets", "inf"], "--budgets takes"),
+        (["--budgets", "2040"], "never compacts"),
+        (["--length", "0"], "--length must be >= 300"),
+        (["--traces", "0"], "--traces >= 1"),
+        (["--task", "humaneval", "--budgets", "16.5"], "whole numbers"),
+        (["--task", "humaneval", "--problems", "90-120"], "held out"),
+        (["--task", "humaneval", "--timeout", "nan"], "--timeout"),
+    ],
+)
+def test_bad_options_get_one_clear_error(tiny_folder, tmp_path, capsys, extra, message):
+    assert evaluate.main(["--model", str(tiny_folder), "--out", str(tmp_path), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing started
+
+
+def test_a_results_file_of_another_version_or_task_is_one_clear_error(tmp_path, capsys):
+    old = tmp_path / "results.json"
+    old.write_text(json.dumps({"model": "m", "config": {"sizes": {}}, "retrieval": {}, "attention": {}, "loss": {}, "continuation": {}, "cost": {}, "seconds": {}, "notes": []}))
+    assert evaluate.main(["--report", str(old)]) == 2
+    assert "not the results of a retrieval run of this version" in capsys.readouterr().err
+
+
+def test_humaneval_budgets_given_twice_run_once(tiny_folder, tmp_path):
+    config = evaluate.parse_args(["--task", "humaneval", "--model", str(tiny_folder), "--budgets", "32,16,32", "--out", str(tmp_path)])
+    assert config.budgets == (16, 32)

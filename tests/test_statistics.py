@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from evaluation.statistics import mcnemar, wilson
+from evaluation.statistics import holm, mcnemar, wilson
 
 
 @pytest.mark.parametrize(
@@ -51,3 +51,11 @@ def test_mcnemar_p_value_equals_enumerating_every_sign_assignment():
 def test_mcnemar_refuses_unpaired_outcomes():
     with pytest.raises(ValueError, match="same items"):
         mcnemar([True], [True, False])
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    # Hand-checked: sorted p = 0.01, 0.02, 0.04 with m = 3 -> 0.03, 0.04, 0.04 (monotone).
+    assert holm([0.04, 0.01, 0.02]) == pytest.approx([0.04, 0.03, 0.04])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([0.001]) == [0.001]
+    assert holm([]) == []
