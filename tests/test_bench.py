@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import bench
+from benchmark.machine import CpuClock
 from benchmark.systems import load_engine, load_transformers
 from benchmark.workers import Loaded, serve, timed_in_turn
 from benchmark.workload import Trial, Workload
@@ -223,3 +224,14 @@ def test_what_a_worker_runs_pickles_by_its_module_path():
     """Spawn sends a worker's target and loader by module path: each must be found where it is defined."""
     for function in (serve, load_engine, load_transformers):
         assert function.__module__.startswith("benchmark.") and pickle.loads(pickle.dumps(function)) is function
+
+
+def test_others_cpu_never_exceeds_the_cores_there_are():
+    """/proc/stat ticks at 1/100 s, the process's own clock finer: under full load their difference
+    came out at 2.0001 cores on this 2-core machine, failing the report's own sanity check."""
+    cores = os.cpu_count() or 1
+    before = CpuClock(busy_s=100.0, elapsed_s=50.0, own_s=1.0)
+    after = CpuClock(busy_s=100.0 + cores * 1.0 + 0.02, elapsed_s=51.0, own_s=1.0)
+    assert CpuClock.others_between(before, after) == cores
+    idle = CpuClock(busy_s=100.0, elapsed_s=51.0, own_s=1.5)
+    assert CpuClock.others_between(before, idle) == 0.0
