@@ -164,12 +164,13 @@ def watched_kept(kept: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def advance(
-    model: Transformer, state: State, batch: Batch, snapshot_at: frozenset[int] = frozenset(), kept_every: int = 1
+    model: Transformer, state: State, batch: Batch, snapshot_at: frozenset[int] = frozenset(), kept_every: int = 1, label: str = ""
 ) -> tuple[float, dict[int, State], list[Compaction]]:
     """Decode steps, each followed by manager.after_step(), until the stream's last token has been
     fed. Returns the seconds spent in the decode path and the manager (bookkeeping excluded), the
     snapshots taken between a step and its after_step(), and the compactions; every kept_every-th
-    of them keeps the whole map of kept positions (long runs would not hold them all)."""
+    of them keeps the whole map of kept positions (long runs would not hold them all). With a
+    label, progress goes to stderr every quarter of the way."""
     n_steps = batch.length - 1  # the last token is predicted, never fed
     finished, no_eos, greedy = torch.zeros(len(batch.rows), dtype=torch.bool), torch.tensor([-1]), SamplingConfig()
     rows = torch.arange(len(batch.rows))
@@ -196,6 +197,8 @@ def advance(
         seconds += time.perf_counter() - tick
         state.step += 1
         state.after_step_due = True
+        if label and state.step % max(n_steps // 4, 1) == 0:
+            log(f"    {label}: step {state.step}/{n_steps}")
         state.predicted[:, t + 1] = logits.argmax(-1)
         state.logprob[:, t + 1] = logits.float().log_softmax(-1)[rows, batch.forced[:, t + 1]]
         if state.step in snapshot_at:
@@ -225,7 +228,7 @@ def run_all(
     if "h2o" in config.policies:
         state.manager.track_received_attention()
     log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
-    seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts.values() if f <= n_steps))
+    seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts.values() if f <= n_steps), label="full cache")
     seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache
     full = Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0)
     log(f"  full cache: {seconds:.0f} s")
@@ -237,7 +240,7 @@ def run_all(
             on_run(replace(full, policy=policy, budget=budget))
             continue
         state = resume(model, snapshots[firsts[budget]], config.compression(policy, budget), batch.length)
-        seconds, _, compactions = advance(model, state, batch, kept_every=kept_every)
+        seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
         on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes))
         log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")
