@@ -28,6 +28,7 @@ from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
 from evaluation.saving import write_atomically
 from evaluation.tasks import chat_prompt
+from models.transformer import Transformer
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
 
@@ -109,7 +110,7 @@ def answer_text(tokenizer: Tokenizer, tokens: list[int]) -> str:
 
 
 def run_cell(
-    model, tokenizer: Tokenizer, problems: list[Problem], config: HumanEvalConfig, policy: str, budget: int | None, expected: list[int]
+    model: Transformer, tokenizer: Tokenizer, problems: list[Problem], config: HumanEvalConfig, policy: str, budget: int | None, expected: list[int]
 ) -> tuple[Cell, list[str]]:
     """Every problem under one policy and budget. A batch decodes until its longest answer ends,
     so problems are batched by `expected` answer length (longest first): rows that end together."""
