@@ -29,7 +29,9 @@ STDERR_TAIL = 500  # characters of stderr kept in an Outcome
 # Runs in the child before the program; argv[1] is the CPU-time cap in seconds.
 # - The limits are set here rather than in a preexec_fn, which may deadlock a child forked from
 #   a process with threads (run_programs uses a thread pool). They cover the program, not the
-#   interpreter's start-up, which needs none. Hard limits equal soft ones: the program cannot raise them.
+#   interpreter's start-up, which needs none. Hard limits equal soft ones, so the program cannot
+#   raise them, but for CPU time: at the soft limit the kernel sends SIGXCPU (reported as a
+#   timeout), at the hard one SIGKILL; equal, the two raced and a timeout read as a kill.
 # - RLIMIT_NPROC 0: the program may start no process or thread. Linux does not apply it to root.
 # - socket.socket stays a class, so that modules which subclass it (ssl) still import.
 #   create_connection is replaced too, so that it fails before its DNS lookup.
@@ -40,14 +42,14 @@ PREAMBLE = f"""\
 import random, resource, runpy, socket, sys
 
 cpu_s = int(sys.argv[1])
-for limit, value in [
-    (resource.RLIMIT_AS, {MEMORY_BYTES}),
-    (resource.RLIMIT_CPU, cpu_s),
-    (resource.RLIMIT_FSIZE, {FILE_BYTES}),
-    (resource.RLIMIT_CORE, 0),
-    (resource.RLIMIT_NPROC, 0),
+for limit, soft, hard in [
+    (resource.RLIMIT_AS, {MEMORY_BYTES}, {MEMORY_BYTES}),
+    (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),
+    (resource.RLIMIT_FSIZE, {FILE_BYTES}, {FILE_BYTES}),
+    (resource.RLIMIT_CORE, 0, 0),
+    (resource.RLIMIT_NPROC, 0, 0),
 ]:
-    resource.setrlimit(limit, (value, value))
+    resource.setrlimit(limit, (soft, hard))
 
 
 class NoSocket(socket.socket):

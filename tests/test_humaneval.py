@@ -113,6 +113,13 @@ def test_an_endless_loop_times_out():
     assert time.perf_counter() - start < 4.0
 
 
+def test_cpu_time_runs_out_as_a_timeout_before_any_kill():
+    """CI once saw the endless loop above reported as "killed by SIGKILL": with equal soft and hard
+    CPU limits the kernel's SIGXCPU (a timeout) and SIGKILL raced. The hard limit must come later."""
+    source = "import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_CPU)\nassert 0 < soft < hard, (soft, hard)\n"
+    assert run_program(source, timeout_s=5.0).passed
+
+
 def test_the_network_is_disabled():
     outcome = run_program("import socket\nsocket.create_connection(('127.0.0.1', 9))\n")
     assert not outcome.passed
