@@ -26,7 +26,7 @@ from errors import UserError
 from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
 from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
-from evaluation.saving import write_atomically
+from evaluation.saving import check_resumable, write_atomically
 from evaluation.tasks import chat_prompt
 from models.transformer import Transformer
 from weights.loader import load_model
@@ -159,9 +159,7 @@ def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEval
     started = time.perf_counter()
     settings = settings_of(config)
     if previous is not None:
-        differ = sorted(k for k in settings if k != "out" and previous.config.get(k) != settings[k])
-        if differ:
-            raise UserError(f"{config.out} holds results measured with other settings ({', '.join(differ)}); pass --restart to overwrite them, or another --out")
+        check_resumable(previous.config, settings)
     results = previous or HumanEvalResults(config.checkpoint.name, settings)
     earlier = results.seconds
     problems = load_problems(config.first, config.last)

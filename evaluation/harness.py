@@ -17,6 +17,7 @@ from evaluation.config import EvalConfig
 from evaluation.future_attention import FullAttention, future_attention_recall, full_cache_compactions
 from evaluation.metrics import Results, continuation, cost, retrieval, streaming_loss
 from evaluation.runs import CPU, Batch, Run, log, run_all
+from evaluation.saving import check_resumable
 from evaluation.tasks import continuation_rows, reasoning_trace, text_rows
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
@@ -52,13 +53,8 @@ def resumable(previous: Results | None, settings: dict) -> frozenset[tuple[str, 
     """The (policy, budget) cells a previous run with the same settings finished."""
     if previous is None:
         return frozenset()
-    differ = sorted(k for k in settings if k not in RUN_ONLY and previous.config.get(k) != settings[k])
-    if differ:
-        raise UserError(f"{settings['out']} holds results measured with other settings ({', '.join(differ)}); pass --restart to overwrite them, or another --out")
+    check_resumable(previous.config, settings)
     return frozenset((p, int(b)) for p, b in previous.config.get("cells_done", []))
-
-
-RUN_ONLY = {"out"}  # settings that may differ between a run and its resumption
 
 
 def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None = None, previous: Results | None = None) -> Results:
