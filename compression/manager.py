@@ -114,28 +114,31 @@ class CompressionManager:
         if self.received is not None:
             accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions])
 
-    def seed(self, prompt_queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
-        """After prefill: the first beacons are the farthest points among the prompt's queries [L, B, H, T, D]."""
+    def seed_layer(self, layer: int, queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
+        """During prefill, as each layer finishes: its first beacons are the farthest points among
+        the prompt's queries [B, H, T, D]. Layer by layer, so a long prompt never holds every
+        layer's queries and their FPS temporaries at once."""
         if self.n_beacon == 0:
             return
-        T = prompt_queries.shape[3]
+        T = queries.shape[2]
         valid = torch.arange(T, device=prompt_lengths.device)[None, :] < prompt_lengths[:, None]  # [B, T]
-        self._set_beacons(prompt_queries, valid[None, :, None, :])
+        self.queries[layer, :, :, : self.n_beacon] = self._farthest(queries, valid[:, None, :])
 
-    def append(self, queries: torch.Tensor, n_new: list[int]) -> None:
+    def append(self, last_queries: torch.Tensor, n_new: list[int]) -> None:
         """After a prefill into a cache in use (a chat turn): its tokens join the generated part,
-        and its last queries [L, B, H, T, D] enter the recent ring as decoded ones would. The
-        cache is compacted at the next step if the turn took it past the budget."""
+        and its last queries [L, B, H, min(n, n_recent), D] enter the recent ring as decoded ones
+        would. The cache is compacted at the next step if the turn took it past the budget."""
         if len(set(n_new)) != 1:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
-        n = n_new[0]
+        n, kept = n_new[0], last_queries.shape[3]
         if self.received is not None:  # the new slots may hold evicted tokens' sums
             new_slots = self.cache.length[:, None] + torch.arange(n, device=self.cache.k.device)  # [B, n]
             L, B, H_kv = self.received.shape[:3]
             self.received.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
-        for t in range(max(0, n - self.config.n_recent), n):
+        for i in range(kept):
             # Into the ring only: H2O's sums count the attention of decoded tokens alone.
-            record_query(self.queries, self.issued_at, self.query_slot, queries[:, :, :, t : t + 1], self.cache.position + t, self.n_beacon, self.config.n_recent)
+            position = self.cache.position + n - kept + i
+            record_query(self.queries, self.issued_at, self.query_slot, last_queries[:, :, :, i : i + 1], position, self.n_beacon, self.config.n_recent)
             self._count_query()
         self.generated += n
 
@@ -151,16 +154,15 @@ class CompressionManager:
         if self.n_beacon and self.steps % self.config.n_recent == 0:
             self._refresh_beacons()
 
-    def _set_beacons(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> None:
-        picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [L, B, H, n_beacon]
-        D = candidates.shape[-1]
-        chosen = candidates.gather(3, picks[..., None].expand(*picks.shape, D))
-        self.queries[:, :, :, : self.n_beacon] = chosen
+    def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The n_beacon farthest points among candidates [..., N, D]: [..., n_beacon, D]."""
+        picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [..., n_beacon]
+        return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:
         """Continual FPS: the buffer is full, so its beacons and recent queries together yield new beacons."""
         start = time.perf_counter()
-        self._set_beacons(self.queries.clone(), None)
+        self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
         self._sync()
         self.stats.refresh_s.append(time.perf_counter() - start)
 

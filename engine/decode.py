@@ -7,6 +7,8 @@ row lengths from the device and, called without a read bound, has the same shape
 call, so it can be compiled (fullgraph) and captured as a CUDA graph.
 """
 
+from functools import partial
+
 import torch
 
 from compression.manager import CompressionManager
@@ -44,15 +46,22 @@ def prefill(
         mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
     k, v = cache.k[:, :, :, : max(held) + T], cache.v[:, :, :, : max(held) + T]
-    logits, queries = model(
+    fresh = max(held) == 0
+    tails = []  # a chat turn: each layer's last queries [B, H, <=n_recent, D], for the recent ring
+
+    def keep_tail(layer: int, queries: torch.Tensor) -> None:
+        tails.append(queries[:, :, -compression.config.n_recent :].clone())  # a copy: a slice would pin the layer's q/k/v
+
+    on_queries = None  # the KV policy takes each layer's queries as it finishes: no layer's outlive it
+    if compression is not None:
+        on_queries = partial(compression.seed_layer, prompt_lengths=lengths) if fresh else keep_tail
+    logits = model(
         tokens, positions, k_cache=k, v_cache=v, write_slots=write_slots, mask=mask,
-        logit_index=None if all_logits else lengths - 1, return_queries=compression is not None,
+        logit_index=None if all_logits else lengths - 1, on_queries=on_queries,
     )
-    if compression is not None and max(held) == 0:
-        compression.seed(queries, lengths)
-    elif compression is not None:
-        compression.append(queries, [len(p) for p in prompts])
-    if max(held) == 0:
+    if tails:
+        compression.append(torch.stack(tails), [len(p) for p in prompts])
+    if fresh:
         cache.prompt_length.copy_(lengths)
     cache.length += lengths
     cache.position += lengths
@@ -81,12 +90,13 @@ def decode_step(
     if n_read is not None:
         k, v, slot_ids = k[:, :, :, :n_read], v[:, :, :, :n_read], slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
-    logits, queries = model(
+    queries = []  # each layer's [B, H, 1, D]: one token's are small, so the manager takes them all at once
+    logits = model(
         tokens[:, None], cache.position[:, None], k_cache=k, v_cache=v, write_slots=slots, mask=mask,
-        return_queries=compression is not None,
+        on_queries=None if compression is None else lambda layer, q: queries.append(q),
     )
     if compression is not None:
-        compression.record(queries, cache.position)
+        compression.record(torch.stack(queries), cache.position)
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)

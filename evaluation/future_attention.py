@@ -16,10 +16,16 @@ from models.transformer import Transformer
 
 
 class _QueryCatcher:
-    """Stands in for the compression manager in prefill, to keep the queries it is handed."""
+    """Stands in for the compression manager in prefill, to keep every layer's queries it is handed."""
 
-    def seed(self, queries: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.queries = queries
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self.queries: torch.Tensor | None = None  # [L, B, H, P, D]
+
+    def seed_layer(self, layer: int, queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
+        if self.queries is None:
+            self.queries = torch.empty(self.n_layers, *queries.shape, dtype=torch.float32)
+        self.queries[layer] = queries
 
 
 @dataclass
@@ -35,9 +41,9 @@ class FullAttention:
     @classmethod
     def of(cls, model: Transformer, sequences: list[list[int]]) -> FullAttention:
         cache = KVCache.allocate(model.config, len(sequences), max(map(len, sequences)), model.embed.weight.dtype, CPU)
-        catcher = _QueryCatcher()
+        catcher = _QueryCatcher(model.config.n_layers)
         prefill(model, cache, sequences, compression=catcher)
-        return cls(catcher.queries.float(), cache.k.float(), model.rope_cos, model.rope_sin, cache.length.clone())
+        return cls(catcher.queries, cache.k.float(), model.rope_cos, model.rope_sin, cache.length.clone())
 
     def probabilities(self, first: torch.Tensor, n_queries: int) -> torch.Tensor:
         """softmax(q_rot . k / sqrt(D)) [L, B, H_kv, G, K, P] of the queries at positions

@@ -7,6 +7,8 @@ each query may read (a boolean mask). Prefill and decode are the same code path.
 Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,20 +164,20 @@ class Transformer(nn.Module):
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1 (S == T), no padding
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
-        return_queries: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None; and with
-        return_queries every layer's queries before RoPE, [L, B, H, T, D] (else None)."""
+        on_queries: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
+        on_queries(layer, queries before RoPE [B, H, T, D]) is called as each layer finishes, for a
+        KV policy: it keeps what it needs, so no layer's queries (a view that pins its whole
+        q/k/v output) need outlive that layer."""
         x = self.embed(tokens)
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        queries = []
         for i, layer in enumerate(self.layers):
             x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask)
-            if return_queries:  # each pins its layer's whole q/k/v output
-                queries.append(q)
+            if on_queries is not None:
+                on_queries(i, q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
-        logits = self.lm_head(self.norm(x))
-        return logits, (torch.stack(queries) if return_queries else None)
+        return self.lm_head(self.norm(x))

@@ -334,7 +334,9 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
 
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
-    _, queries = model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, return_queries=True)
+    collected = []
+    model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, on_queries=lambda _, q: collected.append(q))
+    queries = torch.stack(collected)  # [L, 1, H, T, D]
     L, _, H, _, D = queries.shape
     H_kv = cache.k.shape[2]
     expected = torch.zeros(L, H_kv, n)
@@ -363,3 +365,69 @@ def test_h2o_counts_nothing_yet_for_the_tokens_a_chat_turn_appends(tiny_checkpoi
     assert session.manager.received[:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
     session.prefill([[21, 25, 29, 33, 37, 41]])
     assert session.manager.received[:, 0, :, held : held + 6].abs().sum() == 0
+
+
+def queries_of(model, sequence: list[int]) -> torch.Tensor:
+    """Every layer's pre-RoPE queries [L, 1, H, T, D] of one sequence, from one plain forward."""
+    n = len(sequence)
+    cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
+    positions = torch.arange(n)[None]
+    collected = []
+    model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, on_queries=lambda _, q: collected.append(q))
+    return torch.stack(collected)
+
+
+def test_seeding_layer_by_layer_picks_the_farthest_prompt_queries_of_each_layer(tiny_checkpoint):
+    """The first beacons are FPS over each layer's prompt queries, padding excluded: the same
+    picks as FPS over every layer's queries at once, computed from plain forwards of each prompt."""
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (23, 14)]
+    config = CompressionConfig(policy="beacon", budget=16, n_beacon=5, n_recent=4)
+    cache = KVCache.allocate(model.config, 2, 40, torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    prefill(model, cache, prompts, compression=manager)
+    for row, prompt in enumerate(prompts):
+        queries = queries_of(model, prompt)[:, 0]  # [L, H, T, D]
+        picks = farthest_point_sampling(queries, 5)  # [L, H, 5]
+        expected = queries.gather(2, picks[..., None].expand(*picks.shape, queries.shape[-1]))
+        assert torch.allclose(manager.queries[:, row, :, :5], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("turn_length", [3, 9])
+def test_a_chat_turn_puts_its_last_queries_in_the_recent_ring(turn_length, tiny_checkpoint):
+    """After a turn appended to a cache in use, the ring holds the turn's last min(n, n_recent)
+    queries, oldest first, each with the position it was issued at."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    first, turn = [5, 9, 13, 17, 21, 25], [30 + 7 * i for i in range(turn_length)]
+    config = CompressionConfig(policy="snapkv", budget=16, window=4, n_recent=5)
+    cache = KVCache.allocate(model.config, 1, 40, torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    prefill(model, cache, [first], compression=manager)
+    prefill(model, cache, [turn], compression=manager)
+    kept = min(turn_length, 5)
+    recent, issued_at = manager.recent_queries()
+    expected = queries_of(model, first + turn)[:, :, :, -kept:]
+    assert torch.allclose(recent, expected, atol=1e-5)
+    assert issued_at[0].tolist() == list(range(len(first) + turn_length - kept, len(first) + turn_length))
+
+
+@pytest.mark.parametrize("policy", ["none", "beacon", "snapkv"])
+@pytest.mark.parametrize("turn", ["first", "chat"])
+def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_checkpoint):
+    """Each layer's queries are a view that pins its whole q/k/v output: a prefill with a KV
+    policy used to keep every layer's ([L, B, H, T, D], many times a long prompt's KV cache)."""
+    import weakref
+
+    from engine.generation import Session
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy=policy, budget=32, window=4, n_beacon=4, n_recent=4)
+    session = Session(model, 1, 120, frozenset(), compression=config)
+    if turn == "chat":
+        session.prefill([[5, 9, 13, 17, 21]])
+    first_queries, alive_after_the_layers = [], []
+    model.layers[0].attn.register_forward_hook(lambda m, i, out: first_queries.append(weakref.ref(out[1])))
+    model.norm.register_forward_hook(lambda m, i, out: alive_after_the_layers.append(first_queries[0]() is not None))
+    session.prefill([list(range(40, 70))])
+    assert alive_after_the_layers == [False]
