@@ -63,6 +63,7 @@ from evaluation.harness import evaluate
 from evaluation.report import read_results, write
 from evaluation.humaneval import LAST_PROBLEM, check_range
 from evaluation.runs import log
+from evaluation.saving import sole_writer
 from evaluation.tasks import MIN_LENGTH
 from weights.packaged import CHECKPOINTS, QWEN_CODER_NAME, SMOLLM2_NAME
 
@@ -204,18 +205,24 @@ def main(argv: list[str] | None = None) -> int:
             print(write_humaneval(read_humaneval(path), path.parent) if "cells" in _json_keys(path) else write(read_results(path), path.parent))
             return
         config = parse_args(args)
-        saved = config.out / "results.json"
-        resume = saved.is_file() and "--restart" not in args
-        if isinstance(config, HumanEvalConfig):
-            humaneval = evaluate_humaneval(config, lambda partial: write_humaneval(partial, config.out), read_humaneval(saved) if resume else None)
-            print(write_humaneval(humaneval, config.out))
-            log(f"wrote {config.out}/results.md, results.json and pass_at_1.png; {humaneval.seconds / 60:.1f} min")
-            return
-        results = evaluate(config, on_progress=lambda partial: write(partial, config.out), previous=read_results(saved) if resume else None)
-        print(write(results, config.out))
-        log(f"wrote {config.out}/results.md, results.json and quality_vs_budget.png; {results.seconds['total'] / 60:.1f} min")
+        with sole_writer(config.out):
+            run(config, resume="--restart" not in args)
 
     return run_command(body)
+
+
+def run(config: EvalConfig | HumanEvalConfig, resume: bool) -> None:
+    """One evaluation, resumed from the results saved in config.out unless told not to."""
+    saved = config.out / "results.json"
+    resume = resume and saved.is_file()
+    if isinstance(config, HumanEvalConfig):
+        humaneval = evaluate_humaneval(config, lambda partial: write_humaneval(partial, config.out), read_humaneval(saved) if resume else None)
+        print(write_humaneval(humaneval, config.out))
+        log(f"wrote {config.out}/results.md, results.json and pass_at_1.png; {humaneval.seconds / 60:.1f} min")
+        return
+    results = evaluate(config, on_progress=lambda partial: write(partial, config.out), previous=read_results(saved) if resume else None)
+    print(write(results, config.out))
+    log(f"wrote {config.out}/results.md, results.json and quality_vs_budget.png; {results.seconds['total'] / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Results are saved after every cell of a long run, whole or not at all, and resumed only
 under the settings they were measured with."""
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from errors import UserError
@@ -21,3 +24,19 @@ def check_resumable(saved: dict, settings: dict) -> None:
     differ = sorted(k for k in settings if k != "out" and saved.get(k) != settings[k])
     if differ:
         raise UserError(f"{settings['out']} holds results measured with other settings ({', '.join(differ)}); pass --restart to overwrite them, or another --out")
+
+
+@contextmanager
+def sole_writer(folder: Path) -> Iterator[None]:
+    """Hold a lock on the results folder for a whole run: a second run writing there would mix
+    its cells with this one's, or overwrite them. The lock goes with the process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another evaluate.py is writing to {folder}; wait for it to finish, or pass another --out") from None
+        yield
+    finally:
+        os.close(handle)

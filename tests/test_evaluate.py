@@ -14,6 +14,7 @@ from compression.config import POLICIES, CompressionConfig
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
 from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
 from evaluation.runs import Batch, Compaction, recorder, run_all, run_from_start
+from evaluation.saving import sole_writer
 from evaluation.tasks import DISTANCE_BUCKETS, Row, reasoning_trace
 from engine.decode import prefill
 from engine.generation import generate
@@ -253,6 +254,17 @@ def test_a_stopped_run_resumes_without_redoing_its_finished_cells(tiny_folder, t
     assert "--restart" in capsys.readouterr().err
     assert evaluate.main(quick_args(tiny_folder, tmp_path, "--window", "6", "--restart")) == 0
     assert json.loads(saved.read_text())["config"]["window"] == 6
+
+
+@pytest.mark.parametrize("task", ["retrieval", "humaneval"])
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tiny_folder, tmp_path, capsys, task):
+    """Two runs writing one results.json would overwrite each other's cells."""
+    with sole_writer(tmp_path):  # as a run in progress holds it
+        assert evaluate.main(quick_args(tiny_folder, tmp_path, "--task", task)) == 2
+    assert "another evaluate.py is writing to" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+    with sole_writer(tmp_path):  # released when the refused run ended
+        pass
 
 
 @pytest.mark.parametrize(
