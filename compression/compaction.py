@@ -12,8 +12,9 @@ def compact_in_place(
 ) -> None:
     """[prefix | candidates | window] becomes [prefix | kept | window | free slots].
 
-    Kept offsets are ascending, so each one moves towards the front or stays: gathering all of
-    them before writing any makes the in-place move safe.
+    Kept offsets are ascending, so each one moves towards the front or stays: gathering all of a
+    layer's before writing any makes the in-place move safe. One layer at a time, so the copy in
+    flight is one layer's kept part, not the whole model's.
     """
     L, B, H_kv, K = keep.shape
     window_offsets = torch.arange(n_candidates, n_candidates + window, device=keep.device).expand(L, B, H_kv, window)
@@ -22,8 +23,10 @@ def compact_in_place(
     target = base + torch.arange(K + window, device=keep.device)
     target = target.expand_as(source)
     for buffer in buffers:
-        moved = buffer.gather(3, _broadcast_to(source, buffer))
-        scatter_bits_(buffer, 3, _broadcast_to(target, buffer), moved)
+        sources, targets = _broadcast_to(source, buffer), _broadcast_to(target, buffer)
+        for layer in range(L):
+            moved = buffer[layer].gather(2, sources[layer])  # [B, H_kv, K + W, ...]
+            scatter_bits_(buffer[layer], 2, targets[layer], moved)
 
 
 def _broadcast_to(index: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,28 @@ def test_compaction_gives_the_attention_of_the_kept_subset():
                 assert torch.allclose(got, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_compaction_moves_every_kept_slot_bit_for_bit(dtype):
+    """Keys and values of any dtype, and a slot bookkeeping buffer with no head dim, end up
+    exactly [prefix | kept | window], slot by slot as a loop over (layer, row, head) puts them."""
+    torch.manual_seed(3)
+    L, B, H_kv, S, D = 3, 2, 2, 30, 5
+    k = (torch.randn(L, B, H_kv, S, D) * 100).to(dtype)
+    positions = torch.arange(L * B * H_kv * S).view(L, B, H_kv, S)
+    before_k, before_positions = k.clone(), positions.clone()
+    prompt_length = torch.tensor([4, 1])
+    n_candidates, window, K = 12, 3, 5
+    keep = torch.rand(L, B, H_kv, n_candidates).argsort(-1)[..., :K].sort(-1).values
+    compact_in_place([k, positions], prompt_length, keep, n_candidates, window)
+    for l in range(L):
+        for b in range(B):
+            P = prompt_length[b].item()
+            for h in range(H_kv):
+                slots = list(range(P)) + [P + i for i in keep[l, b, h].tolist()] + list(range(P + n_candidates, P + n_candidates + window))
+                assert torch.equal(k[l, b, h, : len(slots)], before_k[l, b, h, slots])
+                assert positions[l, b, h, : len(slots)].tolist() == before_positions[l, b, h, slots].tolist()
+
+
 def teacher_forced_run(model, config, prompts, continuation, check_each_step=None):
     """Prefill, then feed the continuation token by token through the decode step."""
     cache = KVCache.allocate(model.config, len(prompts), config.slots_needed(max(map(len, prompts)), len(continuation)), torch.float32, CPU)
