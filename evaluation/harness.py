@@ -13,10 +13,11 @@ import torch
 
 from cli import DTYPES
 from errors import UserError
+from evaluation import full_pass
 from evaluation.config import EvalConfig
 from evaluation.future_attention import FullAttention, future_attention_recall, full_cache_compactions
 from evaluation.metrics import Results, continuation, cost, retrieval, streaming_loss
-from evaluation.runs import CPU, Batch, Run, log, run_all
+from evaluation.runs import CPU, Batch, Run, full_cache_pass, log, recorder, run_all
 from evaluation.saving import check_resumable
 from evaluation.tasks import continuation_rows, reasoning_trace, text_rows
 from weights.loader import load_model
@@ -99,7 +100,15 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
 
         kinds = [r.kind for r in batch.rows]
         log(f"{len(kinds)} rows ({kinds.count('trace')} traces with {settings['recalls']} recalls, {kinds.count('text')} source chunks, {kinds.count('continuation')} free), {batch.length} tokens each")
-        run_all(model, batch, config, on_run, done, config.sizes.attention_every)
+        saved_pass = config.out / "full_pass.pt"
+        passed = full_pass.load(saved_pass, settings, model, recorder(config, batch), batch.n_positions)
+        if passed is None:
+            passed = full_cache_pass(model, batch, config)
+            config.out.mkdir(parents=True, exist_ok=True)
+            full_pass.save(saved_pass, settings, *passed)
+        else:
+            log(f"  full cache: loaded from {saved_pass}, which a run with the same settings saved")
+        run_all(model, batch, config, on_run, done, config.sizes.attention_every, passed)
     return results
 
 

@@ -212,6 +212,20 @@ def run_from_start(model: Transformer, batch: Batch, compression: CompressionCon
     return state, compactions
 
 
+def full_cache_pass(model: Transformer, batch: Batch, config: EvalConfig) -> tuple[Run, dict[int, State]]:
+    """The full cache over the whole batch, and the snapshots taken where each budget first compacts."""
+    n_steps = batch.length - 1
+    state = start(model, batch, recorder(config, batch), batch.n_positions)
+    if "h2o" in config.policies:
+        state.manager.track_received_attention()
+    log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
+    firsts = {config.first_compaction(b) for b in config.budgets}
+    seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts if f <= n_steps), label="full cache")
+    seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache
+    log(f"  full cache: {seconds:.0f} s")
+    return Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0), snapshots
+
+
 def run_all(
     model: Transformer,
     batch: Batch,
@@ -219,28 +233,23 @@ def run_all(
     on_run: Callable[[Run], None],
     done: frozenset[tuple[str, int]] = frozenset(),
     kept_every: int = 1,
+    full_pass: tuple[Run, dict[int, State]] | None = None,
 ) -> None:
-    """The full cache once, then every (policy, budget) not in `done`, each resumed from the
-    snapshot of the full cache taken where its budget first compacts. on_run(run) follows each."""
+    """The full cache once (unless its pass is given, as full_cache_pass returns it), then every
+    (policy, budget) not in `done`, each resumed from the snapshot of the full cache taken where
+    its budget first compacts. on_run(run) follows each."""
     n_steps = batch.length - 1
-    firsts = {b: config.first_compaction(b) for b in config.budgets}
-    state = start(model, batch, recorder(config, batch), batch.n_positions)
-    if "h2o" in config.policies:
-        state.manager.track_received_attention()
-    log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
-    seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts.values() if f <= n_steps), label="full cache")
-    seconds -= sum(state.manager.stats.refresh_s)  # the recorder's FPS refreshes are no part of the full cache
-    full = Run("none", None, state.predicted, state.logprob, [], n_steps, seconds, CompressionStats(), state.cache.nbytes, 0)
-    log(f"  full cache: {seconds:.0f} s")
+    full, snapshots = full_pass or full_cache_pass(model, batch, config)
     on_run(full)
     cells = [(policy, budget) for budget in config.budgets for policy in config.policies if (policy, budget) not in done]
     for i, (policy, budget) in enumerate(cells):
-        if firsts[budget] > n_steps:
+        first = config.first_compaction(budget)
+        if first > n_steps:
             log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
             on_run(replace(full, policy=policy, budget=budget))
             continue
-        state = resume(model, snapshots[firsts[budget]], config.compression(policy, budget), batch.length)
+        state = resume(model, snapshots[first], config.compression(policy, budget), batch.length)
         seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
-        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - firsts[budget], seconds, m.stats, state.cache.nbytes, m.queries.nbytes))
-        log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - firsts[budget]} steps, {m.stats.compactions} compactions, {seconds:.0f} s")
+        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.queries.nbytes))
+        log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - first} steps, {m.stats.compactions} compactions, {seconds:.0f} s")

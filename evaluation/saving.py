@@ -3,7 +3,7 @@ under the settings they were measured with."""
 
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -11,10 +11,14 @@ from errors import UserError
 
 
 def write_atomically(path: Path, text: str) -> None:
+    write_atomically_with(path, lambda partial: partial.write_text(text))
+
+
+def write_atomically_with(path: Path, write: Callable[[Path], None]) -> None:
     """Write the file through a temporary one, so that a run killed while it saves keeps the
     previous version (which it resumes from) instead of a truncated one."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
+    write(partial)
     os.replace(partial, path)
 
 

@@ -11,9 +11,10 @@ import torch
 
 import evaluate
 from compression.config import POLICIES, CompressionConfig
+from evaluation import full_pass
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
 from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
-from evaluation.runs import Batch, Compaction, recorder, run_all, run_from_start
+from evaluation.runs import Batch, Compaction, full_cache_pass, recorder, run_all, run_from_start
 from evaluation.saving import sole_writer
 from evaluation.tasks import DISTANCE_BUCKETS, Row, reasoning_trace
 from engine.decode import prefill
@@ -127,6 +128,26 @@ def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tin
         assert [c.step for c in resumed.compactions] == [c.step for c in compactions]
         assert all(torch.equal(a.kept, b.kept) for a, b in zip(resumed.compactions, compactions))
         assert all(torch.equal(a.watched, b.watched) for a, b in zip(resumed.compactions, compactions))
+
+
+def test_a_saved_full_pass_gives_every_cell_what_the_computed_one_gives(tiny_folder, tiny_model, tmp_path):
+    """A resumed run loads the full cache's pass instead of decoding it again: predictions,
+    log-probabilities and compactions of every policy (H2O's sums included) stay the same."""
+    model, batch = tiny_model, random_batch()
+    config = small_config(tiny_folder, policies=("beacon", "snapkv", "h2o"))
+    settings = {"batch": "the same"}
+    computed = full_cache_pass(model, batch, config)
+    full_pass.save(tmp_path / "full_pass.pt", settings, *computed)
+    assert full_pass.load(tmp_path / "full_pass.pt", {"batch": "another"}, model, recorder(config, batch), batch.n_positions) is None
+    loaded = full_pass.load(tmp_path / "full_pass.pt", settings | {"out": "moved"}, model, recorder(config, batch), batch.n_positions)
+    runs = {}
+    for name, passed in (("computed", computed), ("loaded", loaded)):
+        run_all(model, batch, config, lambda run: runs.setdefault((name, run.policy), run), full_pass=passed)
+    for policy in ("none", *config.policies):
+        a, b = runs[("computed", policy)], runs[("loaded", policy)]
+        assert torch.equal(a.predicted, b.predicted) and torch.equal(a.logprob, b.logprob)
+        assert [c.step for c in a.compactions] == [c.step for c in b.compactions]
+        assert all(torch.equal(x.kept, y.kept) for x, y in zip(a.compactions, b.compactions))
 
 
 def brute_force_share(q_pre, keys, cos, sin, position, kept, region, G) -> float:
@@ -244,7 +265,8 @@ def test_a_stopped_run_resumes_without_redoing_its_finished_cells(tiny_folder, t
     saved.write_text(json.dumps(data))
     capsys.readouterr()
     assert evaluate.main(quick_args(tiny_folder, tmp_path)) == 0
-    assert "resuming: 1 of 2 cells already done" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming: 1 of 2 cells already done" in err and "full cache: loaded from" in err
     again = json.loads(saved.read_text())
     assert again["cost"]["streaming"][budget]["tokens_per_s"] == 12345.0  # kept, not redone
     assert again["cost"]["snapkv"][budget]["tokens_per_s"] > 0  # done now

@@ -1,0 +1,76 @@
+"""The full cache's pass, saved beside the results: a resumed run loads it instead of decoding
+the whole batch again (45 min for SmolLM2's default run on a 2-core CPU).
+
+What is saved is what the cells need: the full cache's predictions and log-probabilities, and
+each snapshot a policy resumes from (the slots in use, the recorder's query buffer, H2O's sums).
+The file carries the settings it was made with and is used only under the same ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from compression.config import CompressionConfig
+from compression.manager import CompressionManager, CompressionStats
+from engine.kv_cache import KVCache
+from evaluation.runs import CPU, Run, State
+from evaluation.saving import write_atomically_with
+from models.transformer import Transformer
+
+
+def save(path: Path, settings: dict, full: Run, snapshots: dict[int, State]) -> None:
+    data = {
+        "settings": settings,
+        "full": {"predicted": full.predicted, "logprob": full.logprob, "steps": full.steps, "seconds": full.seconds, "kv_cache_bytes": full.kv_cache_bytes},
+        "snapshots": {step: _state_to_dict(state) for step, state in snapshots.items()},
+    }
+    write_atomically_with(path, lambda partial: torch.save(data, partial))
+
+
+def load(path: Path, settings: dict, model: Transformer, recorder: CompressionConfig, n_slots: int) -> tuple[Run, dict[int, State]] | None:
+    """The saved pass, or None when there is none or it was made with other settings."""
+    if not path.is_file():
+        return None
+    data = torch.load(path, weights_only=True)
+    if _comparable(data["settings"]) != _comparable(settings):
+        return None
+    f = data["full"]
+    full = Run("none", None, f["predicted"], f["logprob"], [], f["steps"], f["seconds"], CompressionStats(), f["kv_cache_bytes"], 0)
+    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots) for step, saved in data["snapshots"].items()}
+    return full, snapshots
+
+
+def _comparable(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "out"}  # the folder may be moved
+
+
+def _state_to_dict(state: State) -> dict:
+    cache, manager = state.cache, state.manager
+    used = int(cache.length.max())  # the slots past every row's length hold nothing yet
+    return {
+        "k": cache.k[:, :, :, :used].clone(), "v": cache.v[:, :, :, :used].clone(),
+        "length": cache.length, "position": cache.position, "prompt_length": cache.prompt_length,
+        "queries": manager.queries, "issued_at": manager.issued_at, "query_slot": manager.query_slot, "received": manager.received,
+        "manager_steps": manager.steps, "generated": manager.generated,
+        "tokens": state.tokens, "step": state.step, "predicted": state.predicted, "logprob": state.logprob, "after_step_due": state.after_step_due,
+    }  # fmt: skip
+
+
+def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfig, n_slots: int) -> State:
+    B, used = saved["length"].shape[0], saved["k"].shape[3]
+    cache = KVCache.allocate(model.config, B, n_slots, saved["k"].dtype, CPU)
+    cache.k[:, :, :, :used] = saved["k"]
+    cache.v[:, :, :, :used] = saved["v"]
+    for counter in ("length", "position", "prompt_length"):
+        getattr(cache, counter).copy_(saved[counter])
+    manager = CompressionManager(recorder, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    manager.queries.copy_(saved["queries"])
+    manager.issued_at.copy_(saved["issued_at"])
+    manager.query_slot.copy_(saved["query_slot"])
+    if saved["received"] is not None:
+        manager.track_received_attention()
+        manager.received.copy_(saved["received"])
+    manager.steps, manager.generated = saved["manager_steps"], saved["generated"]
+    return State(cache, manager, saved["tokens"], saved["step"], saved["predicted"], saved["logprob"], saved["after_step_due"])
