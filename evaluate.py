@@ -6,7 +6,9 @@
     python evaluate.py --report docs/eval/smollm2/retrieval/results.json   # tables and plot again
 
 Each finished (policy, budget) cell is written to --out at once; the same command run again
-resumes a stopped run and skips the cells it has (--restart starts over).
+resumes a stopped run and skips the cells it has (--restart starts over). The full cache's pass
+is saved there too (full_pass.pt): a resumed run, or with --full-pass a run of other policies on
+the same traces, loads it instead of decoding the batch again.
 
 --task retrieval. Each policy runs `engine.decode.prefill` then `engine.decode.decode_step` with
 a `CompressionManager`, calling `manager.after_step()` between steps, as
@@ -110,6 +112,7 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds each program may run (default 10)")
     p.add_argument("--out", type=Path, help="folder for results.md, results.json and the plot (default docs/eval/MODEL/TASK); a run stopped there resumes")
     p.add_argument("--restart", action="store_true", help="overwrite the results in --out instead of resuming them")
+    p.add_argument("--full-pass", type=Path, help="retrieval: start from the full cache's pass another run saved (its folder's full_pass.pt), e.g. to run other policies or another --aggregation on the same traces")
     p.add_argument("--quick", action="store_true", help="a smoke run: short streams or four problems, one budget, three policies")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a small shared CPU a second thread slows the small matmuls down; 0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -125,6 +128,8 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
         n_beacon=_default(a.n_beacon, n_beacon), n_recent=_default(a.n_recent, n_recent), aggregation=a.aggregation, dtype=a.dtype, out=out, seed=a.seed,
     )  # fmt: skip
     if a.task == "humaneval":
+        if a.full_pass:
+            raise UserError("--full-pass is for --task retrieval: HumanEval's full cache is a run of its own answers")
         first, last = _problems(a.problems) if a.problems else QUICK_PROBLEMS if a.quick else (0, LAST_PROBLEM)
         check_range(first, last)
         if a.batch < 1 or not 0 < a.timeout < math.inf:
@@ -142,7 +147,7 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
         if sizes.length < MIN_LENGTH or sizes.n_traces < 1:
             raise UserError(f"--length must be >= {MIN_LENGTH} (shorter traces may hold no recall) and --traces >= 1; got {sizes.length} and {sizes.n_traces}")
         budgets = _budgets(_numbers(a.budgets) if a.budgets else (QUICK_COMPRESSION if a.quick else FULL_COMPRESSION)[0], sizes.length)
-        config = EvalConfig(**shared, budgets=budgets, tasks=_names(a.tasks, TASKS, "--tasks"), sizes=sizes)
+        config = EvalConfig(**shared, budgets=budgets, tasks=_names(a.tasks, TASKS, "--tasks"), sizes=sizes, full_pass=a.full_pass)
         late = [b for b in budgets if config.first_compaction(b) >= sizes.length]
         if late:
             raise UserError(f"budget {late[0]} never compacts within --length {sizes.length} (it would measure the full cache); lower it or raise --length")

@@ -48,6 +48,7 @@ class EvalConfig:
     out: Path
     sizes: Sizes
     seed: int = 0
+    full_pass: Path | None = None  # the full cache's saved pass to start from (default: out/full_pass.pt); not a setting of the results
 
     def compression(self, policy: str, budget: int) -> CompressionConfig:
         return CompressionConfig(policy, budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, self.seed)

@@ -3,11 +3,14 @@ the whole batch again (45 min for SmolLM2's default run on a 2-core CPU).
 
 What is saved is what the cells need: the full cache's predictions and log-probabilities, and
 each snapshot a policy resumes from (the slots in use, the recorder's query buffer, H2O's sums).
-The file carries the settings it was made with and is used only under the same ones.
+The file carries the settings it was made with and is used only under the same ones, but for
+the policies and BeaconKV's aggregation, which the full cache does not depend on: a run of other
+policies (an ablation) can start from another run's pass (`--full-pass`).
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -15,6 +18,7 @@ import torch
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
 from engine.kv_cache import KVCache
+from errors import UserError
 from evaluation.runs import CPU, Run, State
 from evaluation.saving import write_atomically_with
 from models.transformer import Transformer
@@ -29,21 +33,36 @@ def save(path: Path, settings: dict, full: Run, snapshots: dict[int, State]) -> 
     write_atomically_with(path, lambda partial: torch.save(data, partial))
 
 
-def load(path: Path, settings: dict, model: Transformer, recorder: CompressionConfig, n_slots: int) -> tuple[Run, dict[int, State]] | None:
-    """The saved pass, or None when there is none or it was made with other settings."""
-    if not path.is_file():
+def load(
+    path: Path, settings: dict, model: Transformer, recorder: CompressionConfig, n_slots: int, required: bool = False
+) -> tuple[Run, dict[int, State]] | None:
+    """The saved pass, or None when there is none or it was made with other settings (or without
+    the attention sums H2O resumes from, when this run has H2O). With `required` (a pass the
+    user named) those are errors instead."""
+    try:
+        data = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+        if required:
+            raise UserError(f"cannot read the full cache's pass from {path}: {e}; drop --full-pass to compute this run's own") from e
         return None
-    data = torch.load(path, weights_only=True)
-    if _comparable(data["settings"]) != _comparable(settings):
+    saved, ours = _comparable(data["settings"]), _comparable(settings)
+    differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
+    with_h2o = "h2o" in settings.get("policies", ())
+    if with_h2o and "h2o" not in data["settings"].get("policies", ()):
+        differ.append("policies (this run has H2O, whose attention sums the pass lacks)")
+    if differ and required:
+        raise UserError(f"{path} was saved with other settings ({', '.join(differ)}); drop --full-pass to compute this run's own")
+    if differ:
         return None
     f = data["full"]
     full = Run("none", None, f["predicted"], f["logprob"], [], f["steps"], f["seconds"], CompressionStats(), f["kv_cache_bytes"], 0)
-    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots) for step, saved in data["snapshots"].items()}
+    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots, with_h2o) for step, saved in data["snapshots"].items()}
     return full, snapshots
 
 
 def _comparable(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k != "out"}  # the folder may be moved
+    """What the full cache's pass depends on: not the folder, the policies or the aggregation."""
+    return {k: v for k, v in settings.items() if k not in ("out", "policies", "aggregation")}
 
 
 def _state_to_dict(state: State) -> dict:
@@ -58,7 +77,7 @@ def _state_to_dict(state: State) -> dict:
     }  # fmt: skip
 
 
-def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfig, n_slots: int) -> State:
+def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfig, n_slots: int, with_h2o: bool) -> State:
     B, used = saved["length"].shape[0], saved["k"].shape[3]
     cache = KVCache.allocate(model.config, B, n_slots, saved["k"].dtype, CPU)
     cache.k[:, :, :, :used] = saved["k"]
@@ -69,7 +88,7 @@ def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfi
     manager.queries.copy_(saved["queries"])
     manager.issued_at.copy_(saved["issued_at"])
     manager.query_slot.copy_(saved["query_slot"])
-    if saved["received"] is not None:
+    if with_h2o:  # the sums are tracked only for H2O: every policy resumed from them would carry them
         manager.track_received_attention()
         manager.received.copy_(saved["received"])
     manager.steps, manager.generated = saved["manager_steps"], saved["generated"]

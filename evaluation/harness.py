@@ -41,7 +41,7 @@ def build_batch(tokenizer: Tokenizer, config: EvalConfig) -> Batch:
 def settings_of(config: EvalConfig, batch: Batch) -> dict:
     """What a run measured with, as JSON: a resumed run must match it."""
     tokens = json.dumps([[r.prompt, r.forced, [asdict(c) for c in r.recalls]] for r in batch.rows])
-    settings = asdict(config) | {
+    settings = {k: v for k, v in asdict(config).items() if k != "full_pass"} | {
         "rows": [r.kind for r in batch.rows],
         "recalls": sum(len(r.recalls) for r in batch.rows),
         "batch_sha256": hashlib.sha256(tokens.encode()).hexdigest(),  # the very tokens: a changed generator does not resume
@@ -100,14 +100,15 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
 
         kinds = [r.kind for r in batch.rows]
         log(f"{len(kinds)} rows ({kinds.count('trace')} traces with {settings['recalls']} recalls, {kinds.count('text')} source chunks, {kinds.count('continuation')} free), {batch.length} tokens each")
-        saved_pass = config.out / "full_pass.pt"
-        passed = full_pass.load(saved_pass, settings, model, recorder(config, batch), batch.n_positions)
+        own = config.out / "full_pass.pt"
+        source = config.full_pass or own
+        passed = full_pass.load(source, settings, model, recorder(config, batch), batch.n_positions, required=config.full_pass is not None)
         if passed is None:
             passed = full_cache_pass(model, batch, config)
             config.out.mkdir(parents=True, exist_ok=True)
-            full_pass.save(saved_pass, settings, *passed)
+            full_pass.save(own, settings, *passed)
         else:
-            log(f"  full cache: loaded from {saved_pass}, which a run with the same settings saved")
+            log(f"  full cache: loaded from {source}, which a run with the same settings saved")
         run_all(model, batch, config, on_run, done, config.sizes.attention_every, passed)
     return results
 

@@ -135,7 +135,7 @@ def test_a_saved_full_pass_gives_every_cell_what_the_computed_one_gives(tiny_fol
     log-probabilities and compactions of every policy (H2O's sums included) stay the same."""
     model, batch = tiny_model, random_batch()
     config = small_config(tiny_folder, policies=("beacon", "snapkv", "h2o"))
-    settings = {"batch": "the same"}
+    settings = {"batch": "the same", "policies": list(config.policies)}
     computed = full_cache_pass(model, batch, config)
     full_pass.save(tmp_path / "full_pass.pt", settings, *computed)
     assert full_pass.load(tmp_path / "full_pass.pt", {"batch": "another"}, model, recorder(config, batch), batch.n_positions) is None
@@ -289,6 +289,24 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tiny_
         pass
 
 
+def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path, capsys):
+    """An ablation of other policies loads the pass a run on the same traces saved; the full
+    cache's numbers are the same; a pass of other settings is one clear error."""
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    assert evaluate.main(quick_args(tiny_folder, first)) == 0
+    capsys.readouterr()
+    ablation = ["--model", str(tiny_folder), "--quick", "--policies", "beacon", "--aggregation", "lse", "--length", "330"]
+    assert evaluate.main([*ablation, "--out", str(second), "--full-pass", str(first / "full_pass.pt")]) == 0
+    assert "full cache: loaded from" in capsys.readouterr().err
+    a, b = (json.loads((folder / "results.json").read_text()) for folder in (first, second))
+    assert a["retrieval"]["none"] == b["retrieval"]["none"] and a["loss"]["none"] == b["loss"]["none"]
+    assert list(b["retrieval"]) == ["none", "beacon"]
+    assert evaluate.main([*ablation, "--window", "6", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
+    assert "saved with other settings (window)" in capsys.readouterr().err
+    assert evaluate.main([*ablation, "--policies", "h2o", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
+    assert "H2O" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -300,6 +318,7 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tiny_
         (["--task", "humaneval", "--budgets", "16.5"], "whole numbers"),
         (["--task", "humaneval", "--problems", "90-120"], "held out"),
         (["--task", "humaneval", "--timeout", "nan"], "--timeout"),
+        (["--task", "humaneval", "--full-pass", "x.pt"], "--full-pass is for --task retrieval"),
     ],
 )
 def test_bad_options_get_one_clear_error(tiny_folder, tmp_path, capsys, extra, message):
