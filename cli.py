@@ -20,6 +20,9 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-beacon", type=int, default=d.n_beacon, help="BeaconKV: beacon queries per layer and head")
     g.add_argument("--n-recent", type=int, default=d.n_recent, help="recent queries that score the cache (all policies that use queries)")
     g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
+    g.add_argument("--kv-top-m", type=int, default=d.top_m, help="BeaconKV, --kv-aggregation topm: the mean of this many strongest votes")
+    g.add_argument("--kv-temperature", type=float, default=d.temperature, help="BeaconKV, --kv-aggregation lse: temperature x logsumexp(votes / temperature)")
+    g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
 
 
 def compression_config(args: argparse.Namespace) -> CompressionConfig:
@@ -31,6 +34,9 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         n_beacon=args.n_beacon,
         n_recent=args.n_recent,
         aggregation=args.kv_aggregation,
+        top_m=args.kv_top_m,
+        temperature=args.kv_temperature,
+        heads_agree=args.kv_heads_agree,
         seed=args.seed,
     )
 

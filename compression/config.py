@@ -1,11 +1,12 @@
 """What a KV-cache policy is asked to do: which policy, and the budget it must keep to."""
 
+import math
 from dataclasses import dataclass
 
 from errors import UserError
 
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
-AGGREGATIONS = ("max", "mean", "lse")
+AGGREGATIONS = ("max", "mean", "lse", "topm")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,9 @@ class CompressionConfig:
     n_beacon: int = 16  # BeaconKV: beacon queries per (layer, query head)
     n_recent: int = 16  # recent queries buffered per (layer, query head); the observation window of the baselines
     aggregation: str = "max"  # BeaconKV: how scores combine over queries and the heads of a KV group
+    top_m: int = 4  # BeaconKV, aggregation topm: the mean of this many strongest votes
+    temperature: float = 1.0  # BeaconKV, aggregation lse: temperature x logsumexp(votes / temperature)
+    heads_agree: int = 1  # BeaconKV: a key scores its n-th most interested head of the group (1: the best)
     seed: int = 0  # for the random policy
 
     def __post_init__(self):
@@ -24,9 +28,11 @@ class CompressionConfig:
             raise UserError(f"unknown --kv-policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.aggregation not in AGGREGATIONS:
             raise UserError(f"unknown --kv-aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-        for name in ("budget", "hysteresis", "window", "n_recent"):
+        for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree"):
             if getattr(self, name) < 1:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.temperature < math.inf:
+            raise UserError(f"--kv-temperature must be a number > 0, got {self.temperature}")
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
 

@@ -28,7 +28,8 @@ class ScoringInputs:
 def beacon(x: ScoringInputs) -> torch.Tensor:
     """BeaconKV: beacons (clusters of past queries) and recent queries vote, max over the group by default."""
     queries = torch.cat([x.beacons, x.recent], dim=2)
-    return aggregate(attention_logits(queries, x.keys), x.config.aggregation)
+    c = x.config
+    return aggregate(attention_logits(queries, x.keys), c.aggregation, c.top_m, c.temperature, c.heads_agree)
 
 
 def attention_weights(x: ScoringInputs) -> torch.Tensor:

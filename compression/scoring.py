@@ -26,14 +26,26 @@ def attention_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bkgqd,bkcd->bkgqc", grouped, keys.float()) / math.sqrt(D)
 
 
-def aggregate(logits: torch.Tensor, how: str) -> torch.Tensor:
-    """Combine [B, H_kv, G, Q, C] over the group's heads and the queries into [B, H_kv, C]."""
-    flat = logits.flatten(2, 3)  # [B, H_kv, G*Q, C]
+def aggregate(logits: torch.Tensor, how: str, top_m: int = 4, temperature: float = 1.0, heads_agree: int = 1) -> torch.Tensor:
+    """Combine [B, H_kv, G, Q, C] over the group's heads and the queries into [B, H_kv, C].
+
+    heads_agree 1: every (head, query) pair of the group votes together. heads_agree n > 1: each
+    head combines its own queries, and a key scores what its n-th most interested head gives it,
+    so a key that a single head wants does not survive on that alone."""
+    if heads_agree > 1:
+        per_head = _combine(logits, 3, how, top_m, temperature)  # [B, H_kv, G, C]
+        return per_head.topk(heads_agree, dim=2).values[:, :, -1]
+    return _combine(logits.flatten(2, 3), 2, how, top_m, temperature)  # [B, H_kv, G*Q, C] -> [B, H_kv, C]
+
+
+def _combine(scores: torch.Tensor, dim: int, how: str, top_m: int, temperature: float) -> torch.Tensor:
     if how == "max":
-        return flat.amax(2)
+        return scores.amax(dim)
     if how == "mean":
-        return flat.mean(2)
-    return flat.logsumexp(2)  # "lse": a soft maximum
+        return scores.mean(dim)
+    if how == "topm":  # the mean of the m strongest votes: softer than max, sharper than mean
+        return scores.topk(min(top_m, scores.shape[dim]), dim=dim).values.mean(dim)
+    return temperature * (scores / temperature).logsumexp(dim)  # "lse": a soft maximum, max as temperature -> 0
 
 
 def pool(scores: torch.Tensor, kernel: int, how: str) -> torch.Tensor:

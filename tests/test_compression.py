@@ -198,6 +198,43 @@ def test_compiled_step_with_query_recording_equals_eager(policy, tiny_checkpoint
     assert compiled.tokens == eager.tokens and compiled.compression.compactions == eager.compression.compactions > 0
 
 
+@pytest.mark.parametrize("how, top_m, temperature", [("topm", 3, 1.0), ("topm", 50, 1.0), ("lse", 1, 0.25), ("lse", 1, 4.0), ("max", 1, 1.0)])
+@pytest.mark.parametrize("heads_agree", [1, 2, 3])
+def test_softer_aggregations_and_heads_that_agree_match_their_definitions(how, top_m, temperature, heads_agree):
+    """Each head's votes are its queries' logits; heads_agree n scores a key by its n-th best head
+    (each head combining its own queries), 1 by all the group's votes together."""
+    torch.manual_seed(6)
+    B, H, H_kv, Q, C, D = 1, 6, 2, 4, 5, 4
+    queries, keys = torch.randn(B, H, Q, D), torch.randn(B, H_kv, C, D)
+    got = aggregate(attention_logits(queries, keys), how, top_m, temperature, heads_agree)
+    G = H // H_kv
+
+    def combine(votes: list[float]) -> float:
+        if how == "topm":
+            strongest = sorted(votes, reverse=True)[:top_m]
+            return sum(strongest) / len(strongest)
+        if how == "lse":
+            return temperature * math.log(sum(math.exp(v / temperature) for v in votes))
+        return max(votes)
+
+    for kv in range(H_kv):
+        for c in range(C):
+            votes = {h: [(queries[0, h, q] @ keys[0, kv, c]).item() / math.sqrt(D) for q in range(Q)] for h in range(kv * G, (kv + 1) * G)}
+            if heads_agree == 1:
+                expected = combine([v for head in votes.values() for v in head])
+            else:
+                expected = sorted((combine(head) for head in votes.values()), reverse=True)[heads_agree - 1]
+            assert got[0, kv, c].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_more_agreeing_heads_than_a_group_has_is_one_clear_error(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    G = model.config.n_heads // model.config.n_kv_heads
+    cache = KVCache.allocate(model.config, 1, 16, torch.float32, CPU)
+    with pytest.raises(UserError, match=f"--kv-heads-agree {G + 1} exceeds the {G} query heads"):
+        CompressionManager(CompressionConfig(policy="beacon", heads_agree=G + 1), cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+
+
 def test_bad_compression_options_are_refused():
     with pytest.raises(UserError, match="unknown --kv-policy 'h3o'"):
         CompressionConfig(policy="h3o")
@@ -205,6 +242,12 @@ def test_bad_compression_options_are_refused():
         CompressionConfig(policy="beacon", budget=0)
     with pytest.raises(UserError, match="unknown --kv-aggregation"):
         CompressionConfig(aggregation="median")
+    with pytest.raises(UserError, match="--kv-top-m must be >= 1"):
+        CompressionConfig(aggregation="topm", top_m=0)
+    with pytest.raises(UserError, match="--kv-temperature must be a number > 0"):
+        CompressionConfig(aggregation="lse", temperature=float("nan"))
+    with pytest.raises(UserError, match="--kv-heads-agree must be >= 1"):
+        CompressionConfig(heads_agree=0)
 
 
 def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
