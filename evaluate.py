@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
+from compression.config import AGGREGATIONS, POLICIES, VARIANT_OPTIONS, CompressionConfig, with_variant
 from errors import UserError, run_command
 from evaluation.coding import HumanEvalConfig, evaluate_humaneval, read_humaneval
 from evaluation.coding_report import write as write_humaneval
@@ -95,7 +95,11 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p = argparse.ArgumentParser(prog="python evaluate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--task", choices=["retrieval", "humaneval"], default="retrieval", help="retrieval: the synthetic traces (and tasks 2-5 on the same batch); humaneval: pass@1 on HumanEval 0-99")
     p.add_argument("--model", default="smollm2", help="smollm2, qwen-coder, or a checkpoint folder")
-    p.add_argument("--policies", help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference")
+    p.add_argument(
+        "--policies",
+        help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference. "
+        f"A BeaconKV variant, for an ablation against plain BeaconKV: beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}",
+    )
     p.add_argument("--budgets", help="comma-separated generated tokens kept by a compaction; for retrieval a number below 1 is a fraction of --length (default retrieval 0.05,0.1,0.25, --quick 0.1; humaneval 16,32,64, --quick 16)")
     p.add_argument("--hysteresis", type=int, help="compact when the kept part exceeds budget + this (default 16; --quick: 8)")
     p.add_argument("--window", type=int, help="recent tokens never evicted (default 16; --quick: 8)")
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     _, hysteresis, window, n_beacon, n_recent = QUICK_COMPRESSION if a.quick else FULL_COMPRESSION
-    policies = tuple(x for x in (_names(a.policies, POLICIES, "--policies") if a.policies else QUICK_POLICIES if a.quick else POLICIES) if x != "none")
+    policies = tuple(x for x in (_policies(a.policies) if a.policies else QUICK_POLICIES if a.quick else POLICIES) if x != "none")
     if a.threads:
         torch.set_num_threads(a.threads)
     checkpoint = resolve_model(a.model)
@@ -152,7 +156,8 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
         if late:
             raise UserError(f"budget {late[0]} never compacts within --length {sizes.length} (it would measure the full cache); lower it or raise --length")
     for budget in config.budgets:
-        config.compression("beacon", budget)  # every number checked, with the engine's own messages
+        for policy in config.policies:
+            config.compression(policy, budget)  # every number checked, with the engine's own messages
     return config
 
 
@@ -162,6 +167,15 @@ def _problems(text: str) -> tuple[int, int]:
         return int(first), int(last or first)
     except ValueError:
         raise UserError(f"--problems takes FIRST-LAST, e.g. 0-{LAST_PROBLEM}; got {text!r}") from None
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    """The named policies in the usual order, then the BeaconKV variants as given (each checked)."""
+    specs = [x.strip() for x in text.split(",") if x.strip()]
+    variants = tuple(dict.fromkeys(x for x in specs if ":" in x))
+    for variant in variants:
+        with_variant(CompressionConfig(), variant)
+    return _names(",".join(x for x in specs if ":" not in x) or "none", POLICIES, "--policies") + variants
 
 
 def _names(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """What a KV-cache policy is asked to do: which policy, and the budget it must keep to."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from errors import UserError
 
@@ -36,6 +36,11 @@ class CompressionConfig:
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
 
+    def check_fits(self, n_heads: int, n_kv_heads: int) -> None:
+        """The options that depend on the model: one clear error before any work starts."""
+        if self.heads_agree > n_heads // n_kv_heads:
+            raise UserError(f"--kv-heads-agree {self.heads_agree} exceeds the {n_heads // n_kv_heads} query heads that share each KV head of this model")
+
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
@@ -54,3 +59,25 @@ class CompressionConfig:
         if not self.enabled:
             return longest_prompt + max_new_tokens
         return longest_prompt + min(max_new_tokens, self.budget_max + self.window + 1)
+
+
+# BeaconKV's options that change only how it scores: a variant with them resumes from the same
+# full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree")
+
+
+def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:
+    """`config` for the policy `spec` names: a policy ("snapkv"), or BeaconKV with some of its
+    scoring options set ("beacon:aggregation=topm:top_m=8")."""
+    name, *settings = spec.split(":")
+    options = {}
+    for setting in settings:
+        option, _, value = setting.partition("=")
+        if name != "beacon" or option not in VARIANT_OPTIONS or not value:
+            raise UserError(f"policy {spec!r}: a variant is beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}")
+        kind = type(getattr(config, option))
+        try:
+            options[option] = kind(value)
+        except ValueError:
+            raise UserError(f"policy {spec!r}: {option}={value} is not a valid {kind.__name__}") from None
+    return replace(config, policy=name, **options)

@@ -18,7 +18,6 @@ from compression.config import CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
 from compression.scoring import rotate_to_position
-from errors import UserError
 from models.rope import apply_rope
 
 
@@ -70,8 +69,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         L, B, H_kv, S, D = cache.k.shape
-        if config.heads_agree > n_heads // H_kv:
-            raise UserError(f"--kv-heads-agree {config.heads_agree} exceeds the {n_heads // H_kv} query heads that share each KV head of this model")
+        config.check_fits(n_heads, H_kv)
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]

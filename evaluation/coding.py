@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cli import DTYPES
-from compression.config import CompressionConfig
+from compression.config import CompressionConfig, with_variant
 from engine.generation import generate
 from engine.stop_strings import cut_at_stop
 from errors import UserError
@@ -55,7 +55,8 @@ class HumanEvalConfig:
     seed: int = 0
 
     def compression(self, policy: str, budget: int) -> CompressionConfig:
-        return CompressionConfig(policy, budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, self.seed)
+        base = CompressionConfig("beacon", budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, seed=self.seed)
+        return with_variant(base, policy)  # a policy, or a BeaconKV variant
 
 
 @dataclass
@@ -165,6 +166,8 @@ def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEval
     problems = load_problems(config.first, config.last)
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
+    for policy in config.policies:  # before hours of work, not after the full cache's
+        config.compression(policy, config.budgets[0]).check_fits(model.config.n_heads, model.config.n_kv_heads)
     tokenizer = Tokenizer.from_dir(config.checkpoint)
     cells = [("none", None)] + [(p, b) for b in config.budgets for p in config.policies]
     todo = [c for c in cells if cell_key(*c) not in results.cells]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from compression.config import CompressionConfig
+from compression.config import CompressionConfig, with_variant
 
 TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
 
@@ -51,7 +51,8 @@ class EvalConfig:
     full_pass: Path | None = None  # the full cache's saved pass to start from (default: out/full_pass.pt); not a setting of the results
 
     def compression(self, policy: str, budget: int) -> CompressionConfig:
-        return CompressionConfig(policy, budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, self.seed)
+        base = CompressionConfig("beacon", budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, seed=self.seed)
+        return with_variant(base, policy)  # a policy, or a BeaconKV variant
 
     def first_compaction(self, budget: int) -> int:
         """Decode steps after which any policy with this budget compacts for the first time."""

@@ -64,6 +64,8 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
     started = time.perf_counter()
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
+    for policy in config.policies:  # before hours of work, not after the full cache's
+        config.compression(policy, config.budgets[0]).check_fits(model.config.n_heads, model.config.n_kv_heads)
     tokenizer = Tokenizer.from_dir(config.checkpoint)
     batch = build_batch(tokenizer, config)
     if batch.n_positions > model.config.max_position_embeddings:

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,22 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(tiny_
         pass
 
 
+def test_beacon_variants_run_beside_the_policies_and_are_tested_against_plain_beacon(tiny_folder, tiny_model, tmp_path):
+    """An ablation in one run: each variant is BeaconKV with its options, resumed from the same
+    snapshot as every policy, and paired against plain BeaconKV in the report."""
+    variant = "beacon:aggregation=topm:top_m=2"
+    assert evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", f"{variant},beacon,beacon:heads_agree=2", "--length", "330", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["policies"] == ["beacon", variant, "beacon:heads_agree=2"]
+    assert variant in (tmp_path / "results.md").read_text()
+    config = small_config(tiny_folder, policies=(variant,))
+    batch = random_batch()
+    runs = {}
+    run_all(tiny_model, batch, config, lambda run: runs.setdefault(run.policy, run))
+    alone, _ = run_from_start(tiny_model, batch, replace(config.compression("beacon", 10), aggregation="topm", top_m=2))
+    assert runs[variant].predicted.tolist() == alone.predicted.tolist()
+
+
 def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path, capsys):
     """An ablation of other policies loads the pass a run on the same traces saved; the full
     cache's numbers are the same; a pass of other settings is one clear error."""
@@ -319,6 +336,11 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
         (["--task", "humaneval", "--problems", "90-120"], "held out"),
         (["--task", "humaneval", "--timeout", "nan"], "--timeout"),
         (["--task", "humaneval", "--full-pass", "x.pt"], "--full-pass is for --task retrieval"),
+        (["--policies", "snapkv:aggregation=lse"], "a variant is beacon:OPTION=VALUE"),
+        (["--policies", "beacon:n_beacon=3"], "a variant is beacon:OPTION=VALUE"),
+        (["--policies", "beacon:top_m=many"], "top_m=many is not a valid int"),
+        (["--policies", "beacon:heads_agree=3"], "--kv-heads-agree 3 exceeds the 2 query heads"),
+        (["--policies", "beacon:aggregation=median"], "unknown --kv-aggregation"),
     ],
 )
 def test_bad_options_get_one_clear_error(tiny_folder, tmp_path, capsys, extra, message):
