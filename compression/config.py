@@ -21,6 +21,7 @@ class CompressionConfig:
     top_m: int = 4  # BeaconKV, aggregation topm: the mean of this many strongest votes
     temperature: float = 1.0  # BeaconKV, aggregation lse: temperature x logsumexp(votes / temperature)
     heads_agree: int = 1  # BeaconKV: a key scores its n-th most interested head of the group (1: the best)
+    future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
     seed: int = 0  # for the random policy
 
     def __post_init__(self):
@@ -28,7 +29,7 @@ class CompressionConfig:
             raise UserError(f"unknown --kv-policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.aggregation not in AGGREGATIONS:
             raise UserError(f"unknown --kv-aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-        for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree"):
+        for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree", "future_positions"):
             if getattr(self, name) < 1:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.temperature < math.inf:
@@ -50,6 +51,13 @@ class CompressionConfig:
         return self.budget + self.hysteresis
 
     @property
+    def beacon_offsets(self) -> list[int]:
+        """Positions ahead of the current one that the beacons vote from: spread evenly up to
+        the next compaction, `hysteresis` + 1 steps away."""
+        n, ahead = self.future_positions, self.hysteresis + 1
+        return [0] if n == 1 else [round(i * ahead / (n - 1)) for i in range(n)]
+
+    @property
     def buffered_beacons(self) -> int:
         """Beacon slots in the query buffer: only BeaconKV keeps any."""
         return self.n_beacon if self.policy == "beacon" else 0
@@ -63,7 +71,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree")
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

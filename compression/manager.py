@@ -183,7 +183,9 @@ class CompressionManager:
         L, B, H_kv, _, D = cache.k.shape
         offsets = torch.arange(n_candidates, device=cache.k.device)
         candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
-        cos, sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]
+        # Beacons are rotated to the current position (and with future_positions > 1, later ones too).
+        ahead = [(cache.position + offset).clamp_max(self.rope_cos.shape[0] - 1) for offset in config.beacon_offsets]  # each [B]
+        beacon_rotations = [(self.rope_cos[p], self.rope_sin[p]) for p in ahead]  # each ([B, D], [B, D])
         recent, issued_at = self.recent_queries()
         recent_cos, recent_sin = self.rope_cos[issued_at], self.rope_sin[issued_at]  # [B, R, D]
         positions = self.slot_positions()  # [L, B, H_kv, S]
@@ -198,7 +200,7 @@ class CompressionManager:
             received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
             inputs = ScoringInputs(
                 received=received,
-                beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin),
+                beacons=torch.cat([rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin) for cos, sin in beacon_rotations], dim=2),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
                 context=cache.k[layer, :, :, :S],

@@ -13,7 +13,7 @@ from compression.scoring import aggregate, attention_logits, pool
 
 @dataclass
 class ScoringInputs:
-    beacons: torch.Tensor  # [B, H, n_beacon, D] BeaconKV's beacon queries, rotated to the current position
+    beacons: torch.Tensor  # [B, H, n_beacon x future_positions, D] BeaconKV's beacon queries, rotated to the current position (and later ones)
     recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, each rotated to the position it was issued at
     keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
     context: torch.Tensor  # [B, H_kv, S, D] every key in the cache: prompt, candidates, window

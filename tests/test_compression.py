@@ -16,9 +16,11 @@ from engine.generation import generate
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
+from models.rope import apply_rope
 from weights.loader import load_model
 
 CPU = torch.device("cpu")
+SCORERS_BEFORE = dict(SCORERS)  # the real scorers, for tests that wrap one
 
 
 def brute_force_fps(points: torch.Tensor, k: int, valid: list[bool]) -> list[int]:
@@ -496,3 +498,27 @@ def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_chec
     model.norm.register_forward_hook(lambda m, i, out: alive_after_the_layers.append(first_queries[0]() is not None))
     session.prefill([list(range(40, 70))])
     assert alive_after_the_layers == [False]
+
+
+@pytest.mark.parametrize("future_positions", [1, 3])
+def test_beacons_vote_rotated_to_each_future_position(future_positions, tiny_checkpoint, monkeypatch):
+    """With future_positions n, the beacons are scored as n copies, each rotated explicitly to a
+    position spread from the current one to the next compaction's (hysteresis + 1 steps ahead)."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="beacon", budget=8, hysteresis=4, window=4, n_beacon=3, n_recent=6, future_positions=future_positions)
+    cache = KVCache.allocate(model.config, 1, config.slots_needed(9, 30), torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    seen = []
+    monkeypatch.setitem(SCORERS, "beacon", lambda x: (seen.append((x.beacons.clone(), manager.queries[len(seen), :, :, :3].clone(), cache.position.item())), SCORERS_BEFORE["beacon"](x))[1])
+    prefill(model, cache, [[5 + i for i in range(9)]], compression=manager)
+    tokens, finished, eos = torch.tensor([3]), torch.zeros(1, dtype=torch.bool), torch.tensor([-1])
+    while manager.stats.compactions == 0:
+        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        manager.after_step()
+    beacons, raw, position = seen[0]  # layer 0
+    ahead = {1: [0], 3: [0, 2, 5]}[future_positions]  # hysteresis + 1 = 5 steps to the next compaction
+    assert beacons.shape[2] == 3 * len(ahead)
+    for i, offset in enumerate(ahead):
+        p = torch.tensor([position + offset])
+        expected = apply_rope(raw, model.rope_cos[p][:, None, None].expand(1, 1, 3, -1), model.rope_sin[p][:, None, None].expand(1, 1, 3, -1))
+        assert torch.allclose(beacons[:, :, 3 * i : 3 * (i + 1)], expected, atol=1e-6)
