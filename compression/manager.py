@@ -8,12 +8,12 @@ everything else happens between steps.
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from compression.compaction import compact_in_place
+from compression.compaction import compact_in_place, compact_through_store
 from compression.config import CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
@@ -36,6 +36,8 @@ class CompressionStats:
     compactions: int = 0
     compaction_s: list[float] = field(default_factory=list)
     refresh_s: list[float] = field(default_factory=list)  # BeaconKV's FPS refreshes
+    returned: list[int] = field(default_factory=list)  # BeaconKV with a store: entries that came back, per compaction
+    kept_again: list[int] = field(default_factory=list)  # of those, how many the next compaction kept again
 
 
 def record_query(
@@ -89,6 +91,15 @@ class CompressionManager:
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
         self.kept_positions = torch.zeros(L, B, cache.k.shape[2], config.budget, dtype=torch.int64, device=cache.k.device)
+        # BeaconKV with a store: the evicted entries that may come back, keys after RoPE [L, B, H_kv, M, D],
+        # values, and positions [L, B, H_kv, M] (-1: empty); in host memory, pinned when the cache is on a GPU.
+        self.store: list[torch.Tensor] | None = None
+        self.returned: torch.Tensor | None = None  # [L, B, H_kv, budget] the kept slots the last compaction brought back
+        if config.store:
+            self.returned = torch.zeros(L, B, H_kv, config.budget, dtype=torch.bool, device=cache.k.device)
+            host = {"device": "cpu", "pin_memory": cache.k.device.type == "cuda"}
+            entries = torch.zeros(L, B, H_kv, config.store, D, dtype=cache.k.dtype, **host)
+            self.store = [entries, entries.clone(), torch.full((L, B, H_kv, config.store), -1, dtype=torch.int64, **host)]
         self.compacted = False
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
@@ -105,6 +116,9 @@ class CompressionManager:
         self.issued_at.zero_()
         if self.received is not None:
             self.received.zero_()
+        if self.store is not None:
+            self.store[2].fill_(-1)
+            self.returned.zero_()
         self.query_slot.fill_(self.n_beacon)
         self.steps = self.generated = 0
         self.compacted = False
@@ -210,12 +224,27 @@ class CompressionManager:
                 config=config,
                 generator=self.generator,
             )
-            scores = scorer(inputs)  # [B, H_kv, C]
-            keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
-        keep = torch.stack(keep)  # [L, B, H_kv, budget]
+            if self.store is None:
+                scores = scorer(inputs)  # [B, H_kv, C]
+                keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
+                continue
+            # The stored entries compete with the candidates: [candidates | store], best first.
+            stored_keys, stored_positions = self.store[0][layer].to(cache.k.device, non_blocking=True), self.store[2][layer].to(cache.k.device)
+            scores = scorer(replace(inputs, keys=torch.cat([keys, stored_keys], dim=2)))  # [B, H_kv, C + M]
+            scores[..., n_candidates:] = scores[..., n_candidates:].masked_fill(stored_positions < 0, float("-inf"))
+            keep.append(scores.topk(config.budget + config.store, dim=-1).indices)
+        keep = torch.stack(keep)  # [L, B, H_kv, budget], or [L, B, H_kv, budget + store] best first
 
-        moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
-        compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
+        if self.store is None:
+            moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
+            compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
+        else:
+            kept_again = (keep[..., : config.budget] < config.budget).logical_and(self.returned.gather(3, keep[..., : config.budget].clamp_max(config.budget - 1)))
+            returned = compact_through_store([cache.k, cache.v, positions], self.store, cache.prompt_length, keep, n_candidates, config.window)
+            if self.compacted:  # the kept part of the last compaction is the first `budget` candidates now
+                self.stats.kept_again.append(int(kept_again.sum()))
+            self.returned.copy_(returned)
+            self.stats.returned.append(int(returned.sum()))
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True

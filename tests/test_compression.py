@@ -522,3 +522,61 @@ def test_beacons_vote_rotated_to_each_future_position(future_positions, tiny_che
         p = torch.tensor([position + offset])
         expected = apply_rope(raw, model.rope_cos[p][:, None, None].expand(1, 1, 3, -1), model.rope_sin[p][:, None, None].expand(1, 1, 3, -1))
         assert torch.allclose(beacons[:, :, 3 * i : 3 * (i + 1)], expected, atol=1e-6)
+
+
+def test_evicted_entries_come_back_from_the_store_exactly_as_they_were_written(tiny_checkpoint, monkeypatch):
+    """BeaconKV with a store: at every compaction the kept slots are the best `budget` of the
+    candidates and the stored entries together and the store the next best, scored alike; each
+    entry, wherever it moves, holds exactly the key and value its position was written with."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="beacon", budget=8, hysteresis=6, window=3, n_beacon=3, n_recent=4, store=5)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    cache = KVCache.allocate(model.config, 2, config.slots_needed(5, 80), torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    # Score by a value each key carries, so the choice can be checked: one coordinate of the key,
+    # another at each compaction, so that an evicted entry can win later.
+    scored, coordinate = [], lambda: manager.stats.compactions % model.config.head_dim
+
+    def one_coordinate(x):
+        layer = len(scored) % model.config.n_layers
+        empty = torch.cat([torch.zeros(x.keys.shape[:2] + (x.keys.shape[2] - config.store,), dtype=torch.bool), manager.store[2][layer] < 0], dim=2)
+        scored.append(x.keys[..., coordinate()].masked_fill(empty, -math.inf))  # empty store entries cannot compete
+        return x.keys[..., coordinate()].clone()
+
+    monkeypatch.setitem(SCORERS, "beacon", one_coordinate)
+    prefill(model, cache, prompts, compression=manager)
+    written = {}  # (row, position) -> ([L, H_kv, D] keys, values) as the step wrote them
+    tokens, finished, eos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.bool), torch.tensor([-1])
+    g = torch.Generator().manual_seed(9)
+    for _ in range(80):
+        tokens.copy_(torch.randint(3, 384, (2,), generator=g))
+        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        for b in range(2):
+            slot = cache.length[b].item() - 1
+            written[(b, cache.position[b].item() - 1)] = (cache.k[:, b, :, slot].clone(), cache.v[:, b, :, slot].clone())
+        before = manager.stats.compactions
+        manager.after_step()
+        if manager.stats.compactions == before:
+            continue
+        positions = manager.slot_positions()
+        for layer in range(model.config.n_layers):
+            pool = scored[-model.config.n_layers + layer]  # [B, H_kv, C + M]: what competed, scored
+            for b in range(2):
+                P = prompts[b].__len__()
+                for h in range(model.config.n_kv_heads):
+                    held = [(positions[layer, b, h, s].item(), cache.k[layer, b, h, s], cache.v[layer, b, h, s]) for s in range(P, P + config.budget)]
+                    stored = [(p, k, v) for p, k, v in zip(manager.store[2][layer, b, h].tolist(), manager.store[0][layer, b, h], manager.store[1][layer, b, h]) if p >= 0]
+                    for p, k, v in held + stored:
+                        assert torch.equal(k, written[(b, p)][0][layer, h]) and torch.equal(v, written[(b, p)][1][layer, h])
+                    assert len({p for p, _, _ in held + stored}) == len(held) + len(stored)  # no entry twice
+                    ranked = pool[b, h].sort(descending=True).values
+                    c = (manager.stats.compactions - 1) % model.config.head_dim  # the coordinate this compaction scored by
+                    assert sorted(k[c].item() for _, k, _ in held) == sorted(ranked[: config.budget].tolist())
+                    assert sorted(k[c].item() for _, k, _ in stored) == sorted(v for v in ranked[config.budget : config.budget + config.store].tolist() if v > -math.inf)
+                    assert [p for p, _, _ in held] == sorted(p for p, _, _ in held)
+    assert manager.stats.compactions >= 5 and sum(manager.stats.returned) > 0
+
+
+def test_a_store_is_beacons_only():
+    with pytest.raises(UserError, match="--kv-store is BeaconKV's"):
+        CompressionConfig(policy="snapkv", store=16)
