@@ -171,7 +171,7 @@ class CompressionManager:
 
     def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The n_beacon farthest points among candidates [..., N, D]: [..., n_beacon, D]."""
-        picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [..., n_beacon]
+        picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density)  # [..., n_beacon]
         return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from compression.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
-from compression.fps import farthest_point_sampling
+from compression.fps import farthest_point_sampling, local_density
 from compression.manager import CompressionManager
 from compression.policies import SCORERS
 from compression.scoring import aggregate, attention_logits
@@ -42,6 +42,47 @@ def test_fps_picks_the_same_points_as_brute_force():
     for b in range(2):
         for h in range(3):
             assert picks[b, h].tolist() == brute_force_fps(points[b, h], 4, valid[b, 0].tolist())
+
+
+def brute_force_density_fps(points: torch.Tensor, k: int, valid: list[bool], m: int) -> list[int]:
+    """Density-weighted FPS by its definition, with scalars."""
+    n = points.shape[0]
+    sim = [[torch.cosine_similarity(points[i], points[j], dim=0).item() for j in range(n)] for i in range(n)]
+    candidates = [i for i in range(n) if valid[i]]
+    m = min(m, n - 1)
+    density = {i: (1 + sum(sorted([sim[i][j] if valid[j] else -1.0 for j in range(n) if j != i], reverse=True)[:m]) / m) / 2 for i in candidates}
+    mean = {i: sum(sim[i][j] for j in candidates) / len(candidates) for i in candidates}
+    chosen = [max(candidates, key=lambda i: (1 - mean[i]) * density[i])]
+    while len(chosen) < k:
+        chosen.append(max(candidates, key=lambda i: (1 - max(sim[i][c] for c in chosen)) * density[i]))
+    return chosen
+
+
+def test_density_weighted_fps_picks_the_same_points_as_its_definition():
+    torch.manual_seed(10)
+    points = torch.randn(2, 2, 14, 5)
+    valid = torch.rand(2, 1, 14) > 0.2
+    picks = farthest_point_sampling(points, 5, valid, density_m=3)
+    for b in range(2):
+        for h in range(2):
+            assert picks[b, h].tolist() == brute_force_density_fps(points[b, h], 5, valid[b, 0].tolist(), 3)
+    unit = torch.nn.functional.normalize(points, dim=-1)
+    chunked = local_density(unit, valid.expand(2, 2, 14), 3, rows_per_chunk=4)
+    assert torch.allclose(chunked, local_density(unit, valid.expand(2, 2, 14), 3), atol=1e-6, rtol=0)  # chunks change nothing but rounding
+
+
+def test_density_weighted_fps_leaves_a_planted_outlier_out():
+    """Three tight clusters and one lone point: plain FPS takes the lone point among its first
+    four, the density-weighted one takes one point of each cluster before it."""
+    torch.manual_seed(11)
+    centres = torch.eye(4)[:3] * 10  # three directions
+    clusters = [c + 0.3 * torch.randn(6, 4) for c in centres]
+    outlier = torch.tensor([[0.0, 0.0, 0.0, 10.0]])
+    points = torch.cat([*clusters, outlier])  # the outlier is point 18
+    plain = farthest_point_sampling(points, 4).tolist()
+    weighted = farthest_point_sampling(points, 4, density_m=3).tolist()
+    assert 18 in plain
+    assert 18 not in weighted[:3] and sorted(p // 6 for p in weighted[:3]) == [0, 1, 2]
 
 
 def test_fps_with_fewer_valid_points_than_picks_repeats_valid_ones():

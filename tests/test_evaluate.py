@@ -294,7 +294,7 @@ def test_beacon_variants_run_beside_the_policies_and_are_tested_against_plain_be
     """An ablation in one run: each variant is BeaconKV with its options, resumed from the same
     snapshot as every policy, and paired against plain BeaconKV in the report."""
     variant = "beacon:aggregation=topm:top_m=2"
-    others = ["beacon:heads_agree=2", "beacon:future_positions=3", "beacon:store=16"]
+    others = ["beacon:heads_agree=2", "beacon:future_positions=3", "beacon:fps_density=4", "beacon:store=16"]
     assert evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join([variant, "beacon", *others]), "--length", "330", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["policies"] == ["beacon", variant, *others]
