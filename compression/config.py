@@ -23,6 +23,7 @@ class CompressionConfig:
     heads_agree: int = 1  # BeaconKV: a key scores its n-th most interested head of the group (1: the best)
     future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
     fps_density: int = 0  # BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries (0: plain FPS)
+    useful_beacons: int = 0  # BeaconKV: a refresh keeps this many beacons that won the most kept keys lately; FPS fills the rest (0: all by FPS)
     store: int = 0  # BeaconKV: evicted entries per (layer, row, KV head) kept on the host, to come back when they score again (0: eviction is final)
     seed: int = 0  # for the random policy
 
@@ -36,6 +37,8 @@ class CompressionConfig:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.temperature < math.inf:
             raise UserError(f"--kv-temperature must be a number > 0, got {self.temperature}")
+        if not 0 <= self.useful_beacons <= self.n_beacon:
+            raise UserError(f"--kv-useful-beacons must be between 0 and --n-beacon ({self.n_beacon}), got {self.useful_beacons}")
         if self.fps_density < 0:
             raise UserError(f"--kv-fps-density must be >= 0, got {self.fps_density}")
         if self.store < 0 or (self.store and self.policy != "beacon"):
@@ -77,7 +80,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "store")
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "store")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

@@ -17,7 +17,7 @@ from compression.compaction import compact_in_place, compact_through_store
 from compression.config import CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
-from compression.scoring import rotate_to_position
+from compression.scoring import beacon_votes, rotate_to_position
 from models.rope import apply_rope
 
 
@@ -93,6 +93,8 @@ class CompressionManager:
         self.kept_positions = torch.zeros(L, B, cache.k.shape[2], config.budget, dtype=torch.int64, device=cache.k.device)
         # BeaconKV with a store: the evicted entries that may come back, keys after RoPE [L, B, H_kv, M, D],
         # values, and positions [L, B, H_kv, M] (-1: empty); in host memory, pinned when the cache is on a GPU.
+        # BeaconKV keeping its useful beacons: [L, B, H, n_beacon] each beacon's running share of the kept keys it scored best.
+        self.utility = torch.zeros(L, B, n_heads, self.n_beacon, device=cache.k.device) if config.useful_beacons else None
         self.store: list[torch.Tensor] | None = None
         self.returned: torch.Tensor | None = None  # [L, B, H_kv, budget] the kept slots the last compaction brought back
         if config.store:
@@ -116,6 +118,8 @@ class CompressionManager:
         self.issued_at.zero_()
         if self.received is not None:
             self.received.zero_()
+        if self.utility is not None:
+            self.utility.zero_()
         if self.store is not None:
             self.store[2].fill_(-1)
             self.returned.zero_()
@@ -169,15 +173,23 @@ class CompressionManager:
         if self.n_beacon and self.steps % self.config.n_recent == 0:
             self._refresh_beacons()
 
-    def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """The n_beacon farthest points among candidates [..., N, D]: [..., n_beacon, D]."""
-        picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density)  # [..., n_beacon]
+    def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
+        """The n_beacon farthest points among candidates [..., N, D] (after those `start` names): [..., n_beacon, D]."""
+        picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density, start)  # [..., n_beacon]
         return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:
-        """Continual FPS: the buffer is full, so its beacons and recent queries together yield new beacons."""
+        """Continual FPS: the buffer is full, so its beacons and recent queries together yield new
+        beacons. With useful_beacons u, once compactions have scored them, the u beacons that won
+        the most kept keys stay (first) and FPS adds the rest from them."""
         start = time.perf_counter()
-        self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
+        if self.utility is not None and self.compacted:
+            useful = self.utility.topk(self.config.useful_beacons, dim=-1).indices  # [L, B, H, u] beacon indices
+            self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None, useful)
+            kept_utility = self.utility.gather(3, useful)
+            self.utility.zero_()[..., : self.config.useful_beacons] = kept_utility
+        else:
+            self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
         self._sync()
         self.stats.refresh_s.append(time.perf_counter() - start)
 
@@ -227,12 +239,14 @@ class CompressionManager:
             if self.store is None:
                 scores = scorer(inputs)  # [B, H_kv, C]
                 keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
+                self._count_votes(layer, inputs.beacons, keys, keep[-1])
                 continue
             # The stored entries compete with the candidates: [candidates | store], best first.
             stored_keys, stored_positions = self.store[0][layer].to(cache.k.device, non_blocking=True), self.store[2][layer].to(cache.k.device)
             scores = scorer(replace(inputs, keys=torch.cat([keys, stored_keys], dim=2)))  # [B, H_kv, C + M]
             scores[..., n_candidates:] = scores[..., n_candidates:].masked_fill(stored_positions < 0, float("-inf"))
             keep.append(scores.topk(config.budget + config.store, dim=-1).indices)
+            self._count_votes(layer, inputs.beacons, torch.cat([keys, stored_keys], dim=2), keep[-1][..., : config.budget])
         keep = torch.stack(keep)  # [L, B, H_kv, budget], or [L, B, H_kv, budget + store] best first
 
         if self.store is None:
@@ -253,6 +267,14 @@ class CompressionManager:
         self._sync()
         self.stats.compactions += 1
         self.stats.compaction_s.append(time.perf_counter() - start)
+
+    def _count_votes(self, layer: int, beacons: torch.Tensor, keys: torch.Tensor, kept: torch.Tensor) -> None:
+        """Useful beacons: each beacon's share of this layer's kept keys [B, H_kv, K] (offsets into
+        keys [B, H_kv, N, D]) enters its running average."""
+        if self.utility is None:
+            return
+        kept_keys = keys.gather(2, kept[..., None].expand(*kept.shape, keys.shape[-1]))
+        self.utility[layer].mul_(0.9).add_(beacon_votes(beacons, kept_keys, self.n_beacon), alpha=0.1)
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by every slot, [L, B, H_kv, S] (slots past `length` hold garbage).

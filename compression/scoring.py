@@ -48,6 +48,18 @@ def _combine(scores: torch.Tensor, dim: int, how: str, top_m: int, temperature: 
     return temperature * (scores / temperature).logsumexp(dim)  # "lse": a soft maximum, max as temperature -> 0
 
 
+def beacon_votes(beacons: torch.Tensor, kept_keys: torch.Tensor, n_beacon: int) -> torch.Tensor:
+    """The share [B, H, n_beacon] of kept keys [B, H_kv, K, D] for which each beacon (of its own
+    query head) gave the highest logit; beacons [B, H, copies x n_beacon, D] may hold each beacon
+    rotated to several positions, its best copy counting."""
+    B, H, _, D = beacons.shape
+    H_kv, K = kept_keys.shape[1], kept_keys.shape[2]
+    logits = attention_logits(beacons, kept_keys)  # [B, H_kv, G, copies x n_beacon, K]
+    best = logits.unflatten(3, (-1, n_beacon)).amax(3).argmax(3)  # [B, H_kv, G, K]
+    votes = torch.zeros(B, H_kv, H // H_kv, n_beacon, device=beacons.device).scatter_add_(3, best, torch.ones_like(best, dtype=torch.float32))
+    return (votes / K).view(B, H, n_beacon)
+
+
 def pool(scores: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
     """Smooth [B, H_kv, C] along the keys so that neighbours of a strong key survive with it."""
     B, H_kv, C = scores.shape

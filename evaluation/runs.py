@@ -1,5 +1,6 @@
 """One batch through the engine's decode path for every policy: the full cache once, snapshotted
-where each budget first compacts, then each policy at each budget resumed from its snapshot.
+where each budget first compacts, then each policy at each budget resumed from its snapshot (or
+from the start, for a BeaconKV variant whose beacons differ before its first compaction).
 
 Each (policy, budget) is a cell, handed over as soon as it is done, so that a killed run keeps
 every finished cell and a resumed one skips them. The loop is `engine.generation.generate`'s: `prefill`, then `decode_step` with a
@@ -248,7 +249,12 @@ def run_all(
             log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
             on_run(replace(full, policy=policy, budget=budget))
             continue
-        state = resume(model, snapshots[first], config.compression(policy, budget), batch.length)
+        compression = config.compression(policy, budget)
+        if compression.fps_density:  # its beacons differ from the full cache's before its first compaction too
+            first = 0
+            state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
+        else:
+            state = resume(model, snapshots[first], compression, batch.length)
         seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
         on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.queries.nbytes))

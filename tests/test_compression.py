@@ -10,7 +10,7 @@ from compression.config import POLICIES, CompressionConfig
 from compression.fps import farthest_point_sampling, local_density
 from compression.manager import CompressionManager
 from compression.policies import SCORERS
-from compression.scoring import aggregate, attention_logits
+from compression.scoring import aggregate, attention_logits, beacon_votes
 from engine.decode import decode_step, prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
@@ -83,6 +83,50 @@ def test_density_weighted_fps_leaves_a_planted_outlier_out():
     weighted = farthest_point_sampling(points, 4, density_m=3).tolist()
     assert 18 in plain
     assert 18 not in weighted[:3] and sorted(p // 6 for p in weighted[:3]) == [0, 1, 2]
+
+
+def test_fps_from_given_points_continues_from_them():
+    torch.manual_seed(12)
+    points = torch.randn(2, 10, 4)
+    start = torch.tensor([[3, 7], [0, 5]])
+    picks = farthest_point_sampling(points, 5, start=start)
+    for b in range(2):
+        chosen = start[b].tolist()
+        sim = torch.nn.functional.cosine_similarity(points[b][:, None], points[b][None], dim=-1)
+        while len(chosen) < 5:
+            chosen.append(min(range(10), key=lambda i: max(sim[i, c].item() for c in chosen)))
+        assert picks[b].tolist() == chosen
+
+
+def test_beacon_votes_count_the_kept_keys_each_beacon_scored_best():
+    torch.manual_seed(13)
+    B, H, H_kv, n_beacon, copies, K, D = 2, 4, 2, 3, 2, 7, 5
+    beacons, keys = torch.randn(B, H, copies * n_beacon, D), torch.randn(B, H_kv, K, D)
+    got = beacon_votes(beacons, keys, n_beacon)
+    for b in range(B):
+        for h in range(H):
+            counts = [0] * n_beacon
+            for k in range(K):
+                scores = [max((beacons[b, h, c * n_beacon + j] @ keys[b, h // (H // H_kv), k]).item() for c in range(copies)) for j in range(n_beacon)]
+                counts[scores.index(max(scores))] += 1
+            assert got[b, h].tolist() == pytest.approx([c / K for c in counts])
+
+
+def test_a_refresh_keeps_the_most_useful_beacons_and_adds_the_rest_by_fps(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="beacon", budget=8, hysteresis=4, window=3, n_beacon=4, n_recent=4, useful_beacons=2)
+    cache = KVCache.allocate(model.config, 1, 40, torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    torch.manual_seed(14)
+    manager.queries.copy_(torch.randn_like(manager.queries))
+    manager.utility.copy_(torch.rand_like(manager.utility))
+    manager.compacted = True  # utility counts once compactions have scored the beacons
+    before, utility = manager.queries.clone(), manager.utility.clone()
+    manager._refresh_beacons()
+    useful = utility.topk(2, dim=-1).indices  # [L, B, H, 2]
+    expected = farthest_point_sampling(before, 4, start=useful)
+    assert torch.equal(manager.queries[:, :, :, :4], before.gather(3, expected[..., None].expand(*expected.shape, before.shape[-1])))
+    assert torch.equal(manager.utility[..., :2], utility.gather(3, useful)) and not manager.utility[..., 2:].any()
 
 
 def test_fps_with_fewer_valid_points_than_picks_repeats_valid_ones():
