@@ -25,6 +25,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-future-positions", type=int, default=d.future_positions, help="BeaconKV: beacons vote rotated to this many positions, spread from now to the next compaction (1: now)")
     g.add_argument("--kv-fps-density", type=int, default=d.fps_density, help="BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries, so an outlier is no beacon (0: plain FPS)")
     g.add_argument("--kv-useful-beacons", type=int, default=d.useful_beacons, help="BeaconKV: a refresh keeps this many beacons that won the most kept keys lately and adds the rest by FPS (0: all by FPS)")
+    g.add_argument("--kv-adaptive-beacons", action="store_true", help="BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window")
     g.add_argument("--kv-store", type=int, default=d.store, help="BeaconKV: evicted entries per layer, row and KV head kept in host memory, to come back when they score again (0: eviction is final)")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
 
@@ -45,6 +46,7 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         store=args.kv_store,
         fps_density=args.kv_fps_density,
         useful_beacons=args.kv_useful_beacons,
+        adaptive_beacons=args.kv_adaptive_beacons,
         seed=args.seed,
     )
 

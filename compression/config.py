@@ -24,6 +24,7 @@ class CompressionConfig:
     future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
     fps_density: int = 0  # BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries (0: plain FPS)
     useful_beacons: int = 0  # BeaconKV: a refresh keeps this many beacons that won the most kept keys lately; FPS fills the rest (0: all by FPS)
+    adaptive_beacons: bool = False  # BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window
     store: int = 0  # BeaconKV: evicted entries per (layer, row, KV head) kept on the host, to come back when they score again (0: eviction is final)
     seed: int = 0  # for the random policy
 
@@ -39,6 +40,8 @@ class CompressionConfig:
             raise UserError(f"--kv-temperature must be a number > 0, got {self.temperature}")
         if not 0 <= self.useful_beacons <= self.n_beacon:
             raise UserError(f"--kv-useful-beacons must be between 0 and --n-beacon ({self.n_beacon}), got {self.useful_beacons}")
+        if self.adaptive_beacons and self.aggregation == "mean":
+            raise UserError("--kv-adaptive-beacons masks the votes of idle beacons, which a mean would count: use --kv-aggregation max, lse or topm")
         if self.fps_density < 0:
             raise UserError(f"--kv-fps-density must be >= 0, got {self.fps_density}")
         if self.store < 0 or (self.store and self.policy != "beacon"):
@@ -80,7 +83,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "store")
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "store")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:
@@ -94,7 +97,7 @@ def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:
             raise UserError(f"policy {spec!r}: a variant is beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}")
         kind = type(getattr(config, option))
         try:
-            options[option] = kind(value)
-        except ValueError:
+            options[option] = kind(value) if kind is not bool else {"true": True, "false": False}[value.lower()]
+        except (ValueError, KeyError):
             raise UserError(f"policy {spec!r}: {option}={value} is not a valid {kind.__name__}") from None
     return replace(config, policy=name, **options)

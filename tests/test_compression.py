@@ -665,3 +665,43 @@ def test_evicted_entries_come_back_from_the_store_exactly_as_they_were_written(t
 def test_a_store_is_beacons_only():
     with pytest.raises(UserError, match="--kv-store is BeaconKV's"):
         CompressionConfig(policy="snapkv", store=16)
+
+
+def test_adaptive_quotas_let_as_many_beacons_vote_as_the_recent_queries_look_back():
+    """Per KV group, the first round(share x n_beacon) beacons vote, share being the recent
+    queries' mean attention before the window (softmax over the keys each could read); the
+    score is the max over the votes that count, computed with scalars."""
+    from compression.policies import ScoringInputs, beacon
+
+    g = torch.Generator().manual_seed(15)
+    B, H, H_kv, R, S, D, n_beacon = 2, 4, 2, 3, 12, 8, 4
+    recent, beacons = torch.randn(B, H, R, D, generator=g), 3 * torch.randn(B, H, n_beacon, D, generator=g)
+    context = torch.randn(B, H_kv, S, D, generator=g)
+    context[0, 0, :9] *= 4  # one group whose queries look far back, others less so
+    candidates = torch.tensor([[2, 3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8, 9]])  # the window follows
+    visible = (torch.arange(S)[None, None, None, :] <= torch.tensor([9, 10, 11])[None, None, :, None]).expand(B, H_kv, R, S)
+    config = CompressionConfig(policy="beacon", n_beacon=n_beacon, adaptive_beacons=True)
+    keys = context.gather(2, candidates[:, None, :, None].expand(B, H_kv, 7, D))
+    x = ScoringInputs(recent=recent, beacons=beacons, keys=keys, context=context, visible=visible,
+                      in_use=torch.ones(B, S, dtype=torch.bool), candidate_slots=candidates, config=config, generator=g)
+    got = beacon(x)
+    G = H // H_kv
+    seen_counts = set()
+    for b in range(B):
+        window_start = candidates[b, -1].item() + 1
+        for kv in range(H_kv):
+            shares = []
+            for h in range(kv * G, (kv + 1) * G):
+                for r in range(R):
+                    readable = [s for s in range(S) if visible[b, kv, r, s]]
+                    logits = torch.tensor([(recent[b, h, r] @ context[b, kv, s]).item() / math.sqrt(D) for s in readable])
+                    weights = logits.softmax(0)
+                    shares.append(sum(w.item() for w, s in zip(weights, readable) if s < window_start))
+            n_active = round(sum(shares) / len(shares) * n_beacon)
+            seen_counts.add(n_active)
+            for c in range(7):
+                votes = [(q @ keys[b, kv, c]).item() / math.sqrt(D) for h in range(kv * G, (kv + 1) * G) for q in [*beacons[b, h, :n_active], *recent[b, h]]]
+                assert got[b, kv, c].item() == pytest.approx(max(votes), abs=1e-5)
+    assert len(seen_counts) > 1  # the quota differs between groups
+    with pytest.raises(UserError, match="--kv-adaptive-beacons masks"):
+        CompressionConfig(policy="beacon", adaptive_beacons=True, aggregation="mean")

@@ -295,7 +295,7 @@ def test_beacon_variants_run_beside_the_policies_and_are_tested_against_plain_be
     """An ablation in one run: each variant is BeaconKV with its options, resumed from the same
     snapshot as every policy, and paired against plain BeaconKV in the report."""
     variant = "beacon:aggregation=topm:top_m=2"
-    others = ["beacon:heads_agree=2", "beacon:future_positions=3", "beacon:fps_density=4", "beacon:useful_beacons=2", "beacon:store=16"]
+    others = ["beacon:heads_agree=2", "beacon:future_positions=3", "beacon:fps_density=4", "beacon:useful_beacons=2", "beacon:adaptive_beacons=true", "beacon:store=16"]
     assert evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join([variant, "beacon", *others]), "--length", "330", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["policies"] == ["beacon", variant, *others]
@@ -341,6 +341,7 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
         (["--policies", "snapkv:aggregation=lse"], "a variant is beacon:OPTION=VALUE"),
         (["--policies", "beacon:n_beacon=3"], "a variant is beacon:OPTION=VALUE"),
         (["--policies", "beacon:top_m=many"], "top_m=many is not a valid int"),
+        (["--policies", "beacon:adaptive_beacons=maybe"], "adaptive_beacons=maybe is not a valid bool"),
         (["--policies", "beacon:heads_agree=3"], "--kv-heads-agree 3 exceeds the 2 query heads"),
         (["--policies", "beacon:aggregation=median"], "unknown --kv-aggregation"),
     ],
