@@ -26,6 +26,8 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-fps-density", type=int, default=d.fps_density, help="BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries, so an outlier is no beacon (0: plain FPS)")
     g.add_argument("--kv-useful-beacons", type=int, default=d.useful_beacons, help="BeaconKV: a refresh keeps this many beacons that won the most kept keys lately and adds the rest by FPS (0: all by FPS)")
     g.add_argument("--kv-adaptive-beacons", action="store_true", help="BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window")
+    g.add_argument("--kv-fps-per-group", action="store_true", help="BeaconKV: one FPS per KV group on its heads' queries side by side, instead of one per query head")
+    g.add_argument("--kv-lazy-refresh", action="store_true", help="BeaconKV: refresh the beacons once just before each compaction, instead of each time the recent ring fills")
     g.add_argument("--kv-store", type=int, default=d.store, help="BeaconKV: evicted entries per layer, row and KV head kept in host memory, to come back when they score again (0: eviction is final)")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
 
@@ -47,6 +49,8 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         fps_density=args.kv_fps_density,
         useful_beacons=args.kv_useful_beacons,
         adaptive_beacons=args.kv_adaptive_beacons,
+        fps_per_group=args.kv_fps_per_group,
+        lazy_refresh=args.kv_lazy_refresh,
         seed=args.seed,
     )
 

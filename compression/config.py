@@ -24,6 +24,8 @@ class CompressionConfig:
     future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
     fps_density: int = 0  # BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries (0: plain FPS)
     useful_beacons: int = 0  # BeaconKV: a refresh keeps this many beacons that won the most kept keys lately; FPS fills the rest (0: all by FPS)
+    fps_per_group: bool = False  # BeaconKV: one FPS per KV group, on its heads' queries side by side; the heads share the beacons' steps
+    lazy_refresh: bool = False  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
     adaptive_beacons: bool = False  # BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window
     store: int = 0  # BeaconKV: evicted entries per (layer, row, KV head) kept on the host, to come back when they score again (0: eviction is final)
     seed: int = 0  # for the random policy
@@ -70,6 +72,11 @@ class CompressionConfig:
         return [0] if n == 1 else [round(i * ahead / (n - 1)) for i in range(n)]
 
     @property
+    def changes_early_beacons(self) -> bool:
+        """Its beacons differ from plain BeaconKV's before its first compaction already."""
+        return bool(self.fps_density or self.fps_per_group or self.lazy_refresh)
+
+    @property
     def buffered_beacons(self) -> int:
         """Beacon slots in the query buffer: only BeaconKV keeps any."""
         return self.n_beacon if self.policy == "beacon" else 0
@@ -83,7 +90,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "store")
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "fps_per_group", "lazy_refresh", "store")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

@@ -170,12 +170,19 @@ class CompressionManager:
 
     def _count_query(self) -> None:
         self.steps += 1
-        if self.n_beacon and self.steps % self.config.n_recent == 0:
+        if self.n_beacon and self.steps % self.config.n_recent == 0 and not self.config.lazy_refresh:
             self._refresh_beacons()
 
     def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
         """The n_beacon farthest points among candidates [..., N, D] (after those `start` names): [..., n_beacon, D]."""
-        picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density, start)  # [..., n_beacon]
+        if self.config.fps_per_group:  # one FPS per KV group on its heads' queries side by side; every head takes the same steps
+            H_kv = self.cache.k.shape[2]
+            *lead, H, N, D = candidates.shape
+            grouped = candidates.unflatten(-3, (H_kv, H // H_kv)).transpose(-3, -2).flatten(-2)  # [..., H_kv, N, G x D]
+            start = None if start is None else start.unflatten(-2, (H_kv, H // H_kv))[..., 0, :]
+            picks = farthest_point_sampling(grouped, self.n_beacon, valid, self.config.fps_density, start).repeat_interleave(H // H_kv, dim=-2)
+        else:
+            picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density, start)  # [..., n_beacon]
         return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:
@@ -184,7 +191,11 @@ class CompressionManager:
         the most kept keys stay (first) and FPS adds the rest from them."""
         start = time.perf_counter()
         if self.utility is not None and self.compacted:
-            useful = self.utility.topk(self.config.useful_beacons, dim=-1).indices  # [L, B, H, u] beacon indices
+            utility = self.utility
+            if self.config.fps_per_group:  # the group's heads hold beacons of the same steps: they rank them together
+                H_kv = self.cache.k.shape[2]
+                utility = utility.unflatten(2, (H_kv, -1)).sum(3, keepdim=True).expand(-1, -1, -1, utility.shape[2] // H_kv, -1).flatten(2, 3)
+            useful = utility.topk(self.config.useful_beacons, dim=-1).indices  # [L, B, H, u] beacon indices
             self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None, useful)
             kept_utility = self.utility.gather(3, useful)
             self.utility.zero_()[..., : self.config.useful_beacons] = kept_utility
@@ -203,6 +214,8 @@ class CompressionManager:
         return ring.roll(-filled, dims=3), self.issued_at.roll(-filled, dims=1)
 
     def _compact(self) -> None:
+        if self.config.lazy_refresh and self.n_beacon:  # once per compaction, from the queries the ring holds now
+            self._refresh_beacons()
         start = time.perf_counter()
         cache, config = self.cache, self.config
         n_candidates = self.generated - config.window

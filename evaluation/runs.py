@@ -250,7 +250,7 @@ def run_all(
             on_run(replace(full, policy=policy, budget=budget))
             continue
         compression = config.compression(policy, budget)
-        if compression.fps_density:  # its beacons differ from the full cache's before its first compaction too
+        if compression.changes_early_beacons:  # unlike the full cache's recorder: no snapshot of it fits
             first = 0
             state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
         else:

@@ -705,3 +705,29 @@ def test_adaptive_quotas_let_as_many_beacons_vote_as_the_recent_queries_look_bac
     assert len(seen_counts) > 1  # the quota differs between groups
     with pytest.raises(UserError, match="--kv-adaptive-beacons masks"):
         CompressionConfig(policy="beacon", adaptive_beacons=True, aggregation="mean")
+
+
+def test_fps_per_group_picks_the_same_steps_for_a_groups_heads_by_fps_on_them_side_by_side(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="beacon", budget=8, n_beacon=3, n_recent=4, fps_per_group=True)
+    cache = KVCache.allocate(model.config, 2, 40, torch.float32, CPU)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    torch.manual_seed(16)
+    candidates = torch.randn(2, model.config.n_heads, 9, model.config.head_dim)  # one layer's [B, H, N, D]
+    got = manager._farthest(candidates, None)
+    G = model.config.n_heads // model.config.n_kv_heads
+    for b in range(2):
+        for kv in range(model.config.n_kv_heads):
+            side_by_side = torch.cat([candidates[b, h] for h in range(kv * G, (kv + 1) * G)], dim=-1)  # [N, G x D]
+            steps = brute_force_fps(side_by_side, 3, [True] * 9)
+            for h in range(kv * G, (kv + 1) * G):
+                assert torch.equal(got[b, h], candidates[b, h, steps])
+
+
+def test_a_lazy_refresh_runs_once_per_compaction(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = [[5 + i for i in range(7)]]
+    for lazy in (False, True):
+        config = CompressionConfig(policy="beacon", budget=8, hysteresis=12, window=3, n_beacon=3, n_recent=4, lazy_refresh=lazy)
+        stats = generate(model, prompts, 60, eos_ids=frozenset(), compression=config).compression
+        assert len(stats.refresh_s) == (stats.compactions if lazy else 59 // 4)
