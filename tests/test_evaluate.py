@@ -300,6 +300,8 @@ def test_beacon_variants_run_beside_the_policies_and_are_tested_against_plain_be
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["policies"] == ["beacon", variant, *others]
     assert variant in (tmp_path / "results.md").read_text()
+    stored = data["cost"]["beacon:store=16"]
+    assert all(c["returned_per_compaction"] >= 0 and 0 <= c["kept_again"] <= 1 for c in stored.values()) and "kept again" in (tmp_path / "results.md").read_text()
     config = small_config(tiny_folder, policies=(variant,))
     batch = random_batch()
     runs = {}
