@@ -4,8 +4,8 @@ the whole batch again (45 min for SmolLM2's default run on a 2-core CPU).
 What is saved is what the cells need: the full cache's predictions and log-probabilities, and
 each snapshot a policy resumes from (the slots in use, the recorder's query buffer, H2O's sums).
 The file carries the settings it was made with and is used only under the same ones, but for
-the policies and BeaconKV's aggregation, which the full cache does not depend on: a run of other
-policies (an ablation) can start from another run's pass (`--full-pass`).
+the policies, BeaconKV's aggregation and the budgets (a subset will do), which the full cache does
+not depend on: a run of other policies (an ablation) can start from another run's pass (`--full-pass`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def load(
         return None
     saved, ours = _comparable(data["settings"]), _comparable(settings)
     differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
+    if not set(settings.get("budgets", ())) <= set(data["settings"].get("budgets", ())):
+        differ.append("budgets (the pass holds snapshots for its own budgets only)")
     with_h2o = "h2o" in settings.get("policies", ())
     if with_h2o and "h2o" not in data["settings"].get("policies", ()):
         differ.append("policies (this run has H2O, whose attention sums the pass lacks)")
@@ -61,8 +63,9 @@ def load(
 
 
 def _comparable(settings: dict) -> dict:
-    """What the full cache's pass depends on: not the folder, the policies or the aggregation."""
-    return {k: v for k, v in settings.items() if k not in ("out", "policies", "aggregation")}
+    """What the full cache's pass depends on: not the folder, the policies or the aggregation;
+    budgets only in that each needs its snapshot."""
+    return {k: v for k, v in settings.items() if k not in ("out", "policies", "aggregation", "budgets")}
 
 
 def _state_to_dict(state: State) -> dict:

@@ -324,6 +324,8 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
     assert list(b["retrieval"]) == ["none", "beacon"]
     assert evaluate.main([*ablation, "--window", "6", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
     assert "saved with other settings (window)" in capsys.readouterr().err
+    assert evaluate.main([*ablation, "--budgets", "0.2", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
+    assert "budgets (the pass holds snapshots for its own budgets only)" in capsys.readouterr().err
     assert evaluate.main([*ablation, "--policies", "h2o", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
     assert "H2O" in capsys.readouterr().err
 
