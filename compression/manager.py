@@ -230,7 +230,6 @@ class CompressionManager:
         positions = self.slot_positions()  # [L, B, H_kv, S]
         S = int(cache.length.max())
         in_use = cache.slot_ids[None, :S] < cache.length[:, None]  # [B, S]
-        scorer = SCORERS[config.policy]
         keep = []
         for layer in range(L):
             keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
@@ -249,30 +248,9 @@ class CompressionManager:
                 config=config,
                 generator=self.generator,
             )
-            if self.store is None:
-                scores = scorer(inputs)  # [B, H_kv, C]
-                keep.append(scores.topk(config.budget, dim=-1).indices.sort(dim=-1).values)
-                self._count_votes(layer, inputs.beacons, keys, keep[-1])
-                continue
-            # The stored entries compete with the candidates: [candidates | store], best first.
-            stored_keys, stored_positions = self.store[0][layer].to(cache.k.device, non_blocking=True), self.store[2][layer].to(cache.k.device)
-            scores = scorer(replace(inputs, keys=torch.cat([keys, stored_keys], dim=2)))  # [B, H_kv, C + M]
-            scores[..., n_candidates:] = scores[..., n_candidates:].masked_fill(stored_positions < 0, float("-inf"))
-            keep.append(scores.topk(config.budget + config.store, dim=-1).indices)
-            self._count_votes(layer, inputs.beacons, torch.cat([keys, stored_keys], dim=2), keep[-1][..., : config.budget])
-        keep = torch.stack(keep)  # [L, B, H_kv, budget], or [L, B, H_kv, budget + store] best first
-
-        if self.store is None:
-            moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
-            compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
-        else:
-            kept_again = (keep[..., : config.budget] < config.budget).logical_and(self.returned.gather(3, keep[..., : config.budget].clamp_max(config.budget - 1)))
-            returned = compact_through_store([cache.k, cache.v, positions], self.store, cache.prompt_length, keep, n_candidates, config.window)
-            if self.compacted:  # the kept part of the last compaction is the first `budget` candidates now
-                self.stats.kept_again.append(int(kept_again.sum()))
-            self.returned.copy_(returned)
-            self.stats.returned.append(int(returned.sum()))
-        kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=keep.device)
+            keep.append(self._choose(layer, inputs))
+        self._move(torch.stack(keep), positions, n_candidates)
+        kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=cache.k.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True
         cache.length.copy_(cache.prompt_length + config.budget + config.window)
@@ -280,6 +258,41 @@ class CompressionManager:
         self._sync()
         self.stats.compactions += 1
         self.stats.compaction_s.append(time.perf_counter() - start)
+
+    def _choose(self, layer: int, inputs: ScoringInputs) -> torch.Tensor:
+        """One layer's choice: the kept candidate offsets [B, H_kv, budget], ascending; with a store,
+        offsets into [candidates | store] [B, H_kv, budget + store], best first (kept, then stored)."""
+        config, scorer = self.config, SCORERS[self.config.policy]
+        if self.store is None:
+            keep = scorer(inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values
+            self._count_votes(layer, inputs.beacons, inputs.keys, keep)
+            return keep
+        n_candidates = inputs.keys.shape[2]
+        stored = self.store[0][layer].to(inputs.keys.device, non_blocking=True)
+        pool = replace(inputs, keys=torch.cat([inputs.keys, stored], dim=2))  # the stored entries compete with the candidates
+        scores = scorer(pool)  # [B, H_kv, C + M]
+        empty = self.store[2][layer].to(inputs.keys.device) < 0
+        scores[..., n_candidates:] = scores[..., n_candidates:].masked_fill(empty, float("-inf"))
+        ranked = scores.topk(config.budget + config.store, dim=-1).indices
+        self._count_votes(layer, inputs.beacons, pool.keys, ranked[..., : config.budget])
+        return ranked
+
+    def _move(self, keep: torch.Tensor, positions: torch.Tensor, n_candidates: int) -> None:
+        """[prompt | candidates | window] becomes [prompt | kept | window] in every buffer that
+        moves with the slots (positions [L, B, H_kv, S] among them); with a store, through it."""
+        cache, config = self.cache, self.config
+        if self.store is None:
+            moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
+            compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
+            return
+        kept = keep[..., : config.budget]
+        # The kept part of the last compaction is the first `budget` candidates now.
+        kept_again = (kept < config.budget) & self.returned.gather(3, kept.clamp_max(config.budget - 1))
+        returned = compact_through_store([cache.k, cache.v, positions], self.store, cache.prompt_length, keep, n_candidates, config.window)
+        if self.compacted:
+            self.stats.kept_again.append(int(kept_again.sum()))
+        self.returned.copy_(returned)
+        self.stats.returned.append(int(returned.sum()))
 
     def _count_votes(self, layer: int, beacons: torch.Tensor, keys: torch.Tensor, kept: torch.Tensor) -> None:
         """Useful beacons: each beacon's share of this layer's kept keys [B, H_kv, K] (offsets into
