@@ -28,6 +28,8 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-adaptive-beacons", action="store_true", help="BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window")
     g.add_argument("--kv-fps-per-group", action="store_true", help="BeaconKV: one FPS per KV group on its heads' queries side by side, instead of one per query head")
     g.add_argument("--kv-lazy-refresh", action="store_true", help="BeaconKV: refresh the beacons once just before each compaction, instead of each time the recent ring fills")
+    g.add_argument("--kv-prefix-budget", type=int, default=d.prefix_budget, help="a long prompt keeps its first 4 and last --kv-prefix-tail tokens and this many of those between, the best the policy scores (0: the whole prompt)")
+    g.add_argument("--kv-prefix-tail", type=int, default=d.prefix_tail, help="with --kv-prefix-budget: the prompt's last tokens (the question), kept whole")
     g.add_argument("--kv-store", type=int, default=d.store, help="BeaconKV: evicted entries per layer, row and KV head kept in host memory, to come back when they score again (0: eviction is final)")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
 
@@ -51,6 +53,8 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         adaptive_beacons=args.kv_adaptive_beacons,
         fps_per_group=args.kv_fps_per_group,
         lazy_refresh=args.kv_lazy_refresh,
+        prefix_budget=args.kv_prefix_budget,
+        prefix_tail=args.kv_prefix_tail,
         seed=args.seed,
     )
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 from errors import UserError
 
+PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
 AGGREGATIONS = ("max", "mean", "lse", "topm")
 
@@ -27,6 +28,8 @@ class CompressionConfig:
     fps_per_group: bool = False  # BeaconKV: one FPS per KV group, on its heads' queries side by side; the heads share the beacons' steps
     lazy_refresh: bool = False  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
     adaptive_beacons: bool = False  # BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window
+    prefix_budget: int = 0  # a long prompt keeps this many of the tokens between its first PREFIX_SINKS and last prefix_tail (0: all)
+    prefix_tail: int = 64  # with prefix_budget: the prompt's last tokens (the question), kept whole
     store: int = 0  # BeaconKV: evicted entries per (layer, row, KV head) kept on the host, to come back when they score again (0: eviction is final)
     seed: int = 0  # for the random policy
 
@@ -44,6 +47,10 @@ class CompressionConfig:
             raise UserError(f"--kv-useful-beacons must be between 0 and --n-beacon ({self.n_beacon}), got {self.useful_beacons}")
         if self.adaptive_beacons and self.aggregation == "mean":
             raise UserError("--kv-adaptive-beacons masks the votes of idle beacons, which a mean would count: use --kv-aggregation max, lse or topm")
+        if self.prefix_budget < 0 or self.prefix_tail < 1:
+            raise UserError(f"--kv-prefix-budget must be >= 0 and --kv-prefix-tail >= 1, got {self.prefix_budget} and {self.prefix_tail}")
+        if self.prefix_budget and self.policy in ("h2o", "none"):
+            raise UserError(f"--kv-prefix-budget needs a policy that scores a prompt: {self.policy} has nothing to score it with")
         if self.fps_density < 0:
             raise UserError(f"--kv-fps-density must be >= 0, got {self.fps_density}")
         if self.store < 0 or (self.store and self.policy != "beacon"):
@@ -73,8 +80,8 @@ class CompressionConfig:
 
     @property
     def changes_early_beacons(self) -> bool:
-        """Its beacons differ from plain BeaconKV's before its first compaction already."""
-        return bool(self.fps_density or self.fps_per_group or self.lazy_refresh)
+        """It differs from plain BeaconKV before its first compaction already (its beacons, or its prompt)."""
+        return bool(self.fps_density or self.fps_per_group or self.lazy_refresh or self.prefix_budget)
 
     @property
     def buffered_beacons(self) -> int:
@@ -90,7 +97,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "fps_per_group", "lazy_refresh", "store")
+VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail", "store")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from compression.compaction import compact_in_place, compact_through_store
-from compression.config import CompressionConfig
+from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
 from compression.scoring import beacon_votes, rotate_to_position
@@ -95,6 +95,10 @@ class CompressionManager:
         # values, and positions [L, B, H_kv, M] (-1: empty); in host memory, pinned when the cache is on a GPU.
         # BeaconKV keeping its useful beacons: [L, B, H, n_beacon] each beacon's running share of the kept keys it scored best.
         self.utility = torch.zeros(L, B, n_heads, self.n_beacon, device=cache.k.device) if config.useful_beacons else None
+        # Prefix compression: the prompt's last queries [L, B, H, R, D] until they have scored it, and
+        # the positions [L, B, H_kv, P] its slots hold afterwards.
+        self.prompt_tail: torch.Tensor | None = None
+        self.prefix_positions: torch.Tensor | None = None
         self.store: list[torch.Tensor] | None = None
         self.returned: torch.Tensor | None = None  # [L, B, H_kv, budget] the kept slots the last compaction brought back
         if config.store:
@@ -124,6 +128,7 @@ class CompressionManager:
             self.store[2].fill_(-1)
             self.returned.zero_()
         self.query_slot.fill_(self.n_beacon)
+        self.prompt_tail = self.prefix_positions = None
         self.steps = self.generated = 0
         self.compacted = False
 
@@ -137,11 +142,56 @@ class CompressionManager:
         """During prefill, as each layer finishes: its first beacons are the farthest points among
         the prompt's queries [B, H, T, D]. Layer by layer, so a long prompt never holds every
         layer's queries and their FPS temporaries at once."""
+        T = queries.shape[2]
+        if self.config.prefix_budget:  # the prompt's last queries score its middle once prefill is done
+            R = min(self.config.n_recent, T)
+            if self.prompt_tail is None:
+                self.prompt_tail = torch.zeros(self.queries.shape[0], *queries.shape[:2], R, queries.shape[3], dtype=queries.dtype, device=queries.device)
+            last = (prompt_lengths[:, None] - R + torch.arange(R, device=queries.device)).clamp_min(0)  # [B, R]
+            self.prompt_tail[layer] = queries.gather(2, last[:, None, :, None].expand(-1, queries.shape[1], -1, queries.shape[3]))
         if self.n_beacon == 0:
             return
-        T = queries.shape[2]
         valid = torch.arange(T, device=prompt_lengths.device)[None, :] < prompt_lengths[:, None]  # [B, T]
         self.queries[layer, :, :, : self.n_beacon] = self._farthest(queries, valid[:, None, :])
+
+    def compress_prompt(self) -> None:
+        """After a prefill into an empty cache, with a prefix_budget: each prompt longer than
+        PREFIX_SINKS + prefix_budget + prefix_tail keeps its first PREFIX_SINKS and last prefix_tail
+        tokens and the prefix_budget best-scored of those between (per layer and KV head), scored
+        once by the policy with the prompt's last queries (and BeaconKV's first beacons). The kept
+        prompt becomes the protected prefix; positions do not move."""
+        cache, config = self.cache, self.config
+        if not config.prefix_budget:
+            return
+        L, B, H_kv, _, D = cache.k.shape
+        T = int(cache.prompt_length.max())
+        self.prefix_positions = torch.arange(T, device=cache.k.device).expand(L, B, H_kv, T).clone()
+        for b, P in enumerate(cache.prompt_length.tolist()):
+            n_candidates = P - PREFIX_SINKS - config.prefix_tail
+            if n_candidates <= config.prefix_budget:
+                continue
+            R = self.prompt_tail.shape[3]
+            issued_at = torch.arange(P - R, P, device=cache.k.device)[None]  # [1, R]
+            now = torch.tensor([P], device=cache.k.device)
+            candidate_slots = PREFIX_SINKS + torch.arange(n_candidates, device=cache.k.device)[None]  # [1, C]
+            keep = []
+            for layer in range(L):
+                inputs = ScoringInputs(
+                    beacons=rotate_to_position(self.queries[layer, b : b + 1, :, : self.n_beacon], self.rope_cos[now], self.rope_sin[now]),
+                    recent=apply_rope(self.prompt_tail[layer, b : b + 1], self.rope_cos[issued_at], self.rope_sin[issued_at]),
+                    keys=cache.k[layer, b : b + 1, :, PREFIX_SINKS : PREFIX_SINKS + n_candidates],
+                    context=cache.k[layer, b : b + 1, :, :P],
+                    visible=(torch.arange(P, device=cache.k.device) <= issued_at[0, :, None]).expand(1, H_kv, R, P),
+                    in_use=torch.ones(1, P, dtype=torch.bool, device=cache.k.device),
+                    candidate_slots=candidate_slots,
+                    config=config,
+                    generator=self.generator,
+                )
+                keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
+            row = [cache.k[:, b : b + 1], cache.v[:, b : b + 1], self.prefix_positions[:, b : b + 1]]
+            compact_in_place(row, torch.tensor([PREFIX_SINKS], device=cache.k.device), torch.stack(keep), n_candidates, config.prefix_tail)
+            cache.prompt_length[b] = cache.length[b] = PREFIX_SINKS + config.prefix_budget + config.prefix_tail
+        self.prompt_tail = None
 
     def append(self, last_queries: torch.Tensor, n_new: list[int]) -> None:
         """After a prefill into a cache in use (a chat turn): its tokens join the generated part,
@@ -314,6 +364,9 @@ class CompressionManager:
         positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
         positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)
         positions = positions[None, :, None, :].expand(L, B, H_kv, S).clone()
+        if self.prefix_positions is not None:  # a compressed prompt holds positions of its own
+            P = self.prefix_positions.shape[3]
+            positions[..., :P] = torch.where(slots[:P] < cache.prompt_length.view(1, B, 1, 1), self.prefix_positions, positions[..., :P])
         if self.compacted:
             kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(self.config.budget, device=slots.device)
             positions.scatter_(3, kept_slots.expand_as(self.kept_positions), self.kept_positions)

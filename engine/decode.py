@@ -65,6 +65,8 @@ def prefill(
         cache.prompt_length.copy_(lengths)
     cache.length += lengths
     cache.position += lengths
+    if fresh and compression is not None:
+        compression.compress_prompt()
     return logits
 
 

@@ -27,6 +27,9 @@ class _QueryCatcher:
             self.queries = torch.empty(self.n_layers, *queries.shape, dtype=torch.float32)
         self.queries[layer] = queries
 
+    def compress_prompt(self) -> None:
+        """The streams are kept whole."""
+
 
 @dataclass
 class FullAttention:

@@ -731,3 +731,45 @@ def test_a_lazy_refresh_runs_once_per_compaction(tiny_checkpoint):
         config = CompressionConfig(policy="beacon", budget=8, hysteresis=12, window=3, n_beacon=3, n_recent=4, lazy_refresh=lazy)
         stats = generate(model, prompts, 60, eos_ids=frozenset(), compression=config).compression
         assert len(stats.refresh_s) == (stats.compactions if lazy else 59 // 4)
+
+
+def test_a_long_prompt_keeps_its_sinks_its_tail_and_its_best_scored_middle(tiny_checkpoint, monkeypatch):
+    """Prefix compression: each long prompt keeps its first PREFIX_SINKS and last prefix_tail
+    tokens and the prefix_budget middle tokens its policy scores best, per layer and KV head,
+    scored with the prompt's last queries at their own positions; each kept slot holds exactly
+    the key and value of its position; a short prompt is kept whole; later compactions leave the
+    compressed prompt alone."""
+    from compression.config import PREFIX_SINKS
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(policy="snapkv", budget=8, hysteresis=4, window=3, n_recent=4, prefix_budget=6, prefix_tail=5)
+    prompts = [torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(17)).tolist() for n in (31, 14)]  # 14 <= 4 + 6 + 5: kept whole
+    scored = []
+    monkeypatch.setitem(SCORERS, "snapkv", lambda x: (scored.append((x.recent.clone(), x.keys[..., 1].clone())), x.keys[..., 1].clone())[1])
+    cache = KVCache.allocate(model.config, 2, config.slots_needed(31, 40), torch.float32, CPU)
+    full = KVCache.allocate(model.config, 2, 31, torch.float32, CPU)
+    prefill(model, full, prompts)
+    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    prefill(model, cache, prompts, compression=manager)
+    assert cache.prompt_length.tolist() == cache.length.tolist() == [PREFIX_SINKS + 6 + 5, 14] and cache.position.tolist() == [31, 14]
+    assert len(scored) == model.config.n_layers  # row 0's layers only
+    reference = queries_of(model, prompts[0])[:, :, :, -4:]  # the prompt's last 4 queries, pre-RoPE
+    at = torch.arange(27, 31)
+    for layer in range(model.config.n_layers):
+        recent, scores = scored[layer]
+        assert torch.allclose(recent, apply_rope(reference[layer], model.rope_cos[at][None], model.rope_sin[at][None]), atol=1e-5)
+        positions = manager.slot_positions()[layer, 0]  # [H_kv, S]
+        for h in range(model.config.n_kv_heads):
+            best = (scores[0, h].topk(6).indices + PREFIX_SINKS).tolist()
+            held = positions[h, :15].tolist()
+            assert held == [0, 1, 2, 3, *sorted(best), 26, 27, 28, 29, 30]
+            assert torch.equal(cache.k[layer, 0, h, :15], full.k[layer, 0, h, held]) and torch.equal(cache.v[layer, 0, h, :15], full.v[layer, 0, h, held])
+    assert torch.equal(cache.k[:, 1, :, :14], full.k[:, 1, :, :14])
+    prefix = cache.k[:, :, :, :15].clone()
+    tokens, finished, eos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.bool), torch.tensor([-1])
+    for _ in range(40):
+        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        manager.after_step()
+    assert manager.stats.compactions > 0 and torch.equal(cache.k[:, 0, :, :15], prefix[:, 0]) and torch.equal(cache.k[:, 1, :, :14], prefix[:, 1, :, :14])
+    with pytest.raises(UserError, match="--kv-prefix-budget needs a policy that scores a prompt"):
+        CompressionConfig(policy="h2o", prefix_budget=8)

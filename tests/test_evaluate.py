@@ -118,7 +118,7 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
 def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tiny_folder, tiny_model):
     model = tiny_model
     batch = random_batch()
-    variants = ("beacon:useful_beacons=2", "beacon:fps_density=3", "beacon:store=6", "beacon:fps_per_group=true", "beacon:lazy_refresh=true", "beacon:adaptive_beacons=true")
+    variants = ("beacon:useful_beacons=2", "beacon:fps_density=3", "beacon:store=6", "beacon:fps_per_group=true", "beacon:lazy_refresh=true", "beacon:adaptive_beacons=true", "beacon:prefix_budget=2:prefix_tail=2")
     config = small_config(tiny_folder, policies=("beacon", "rpc", "tova", "h2o", *variants))
     runs = {}
     run_all(model, batch, config, lambda run: runs.setdefault((run.policy, run.budget), run))
