@@ -227,7 +227,7 @@ class CompressionManager:
         """The n_beacon farthest points among candidates [..., N, D] (after those `start` names): [..., n_beacon, D]."""
         if self.config.fps_per_group:  # one FPS per KV group on its heads' queries side by side; every head takes the same steps
             H_kv = self.cache.k.shape[2]
-            *lead, H, N, D = candidates.shape
+            H = candidates.shape[-3]
             grouped = candidates.unflatten(-3, (H_kv, H // H_kv)).transpose(-3, -2).flatten(-2)  # [..., H_kv, N, G x D]
             start = None if start is None else start.unflatten(-2, (H_kv, H // H_kv))[..., 0, :]
             picks = farthest_point_sampling(grouped, self.n_beacon, valid, self.config.fps_density, start).repeat_interleave(H // H_kv, dim=-2)
