@@ -174,7 +174,7 @@ def print_report(r: Report) -> None:
             return "-" if value is None else f"{value:.1f} ms"
 
         print(f"engine's KV policy in the last trial: {c.compactions} compactions ({ms(c.compaction_ms)} each, median), "
-              f"{c.refreshes} beacon refreshes ({ms(c.refresh_ms)} each)")
+              f"{c.refreshes} beacon refreshes ({ms(c.refresh_ms)} each): together {c.share_of_decode:.1%} of its decode time")
     busiest = max((f.others_busy_cores or 0.0 for f in r.systems.values()), default=0.0)
     if busiest > BUSY_WARNING_CORES:
         print(f"warning: other processes took up to {busiest:.2f} cores during the timed trials: these figures understate the systems")

@@ -35,13 +35,15 @@ class CompressionCost:
     compaction_ms: float | None
     refreshes: int
     refresh_ms: float | None  # BeaconKV's FPS refreshes of the beacon queries
+    share_of_decode: float  # compactions and refreshes together, over the trial's whole decode time
 
     @classmethod
-    def of(cls, stats: CompressionStats) -> "CompressionCost":
+    def of(cls, stats: CompressionStats, decode_s: float) -> "CompressionCost":
         def median_ms(seconds: list[float]) -> float | None:
             return statistics.median(seconds) * 1000 if seconds else None
 
-        return cls(stats.compactions, median_ms(stats.compaction_s), len(stats.refresh_s), median_ms(stats.refresh_s))
+        spent = sum(stats.compaction_s) + sum(stats.refresh_s)
+        return cls(stats.compactions, median_ms(stats.compaction_s), len(stats.refresh_s), median_ms(stats.refresh_s), spent / decode_s)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class EngineExtras:
 def load_engine(w: Workload) -> Loaded:
     progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
     model = load_model(w.checkpoint, w.dtype, w.device)
-    stats: list[CompressionStats | None] = []
+    stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds
     ceilings: list[float] = []
 
     def measure() -> Trial:
@@ -72,7 +74,7 @@ def load_engine(w: Workload) -> Loaded:
                 model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
                 compression=w.compression, cuda_graph=w.device.type == "cuda",
             )
-        stats.append(result.compression)
+        stats.append((result.compression, result.decode_s))
         trial = Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
         if w.ceiling:  # right after each trial, so that the share compares figures taken together
             ceilings.append(matmul_ceiling_tok_s(model, w.batch))
@@ -80,7 +82,8 @@ def load_engine(w: Workload) -> Loaded:
 
     def extras() -> EngineExtras:
         ceiling = statistics.median(ceilings[1:]) if w.ceiling else None  # the warm-up's is left out, as its trial is
-        compression = None if stats[-1] is None else CompressionCost.of(stats[-1])
+        last, decode_s = stats[-1]
+        compression = None if last is None else CompressionCost.of(last, decode_s)
         return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
 
     progress("engine: warm-up run" + (", which compiles the decode step" if w.compile else ""))

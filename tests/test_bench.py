@@ -174,6 +174,10 @@ def test_a_kv_policy_bounds_the_engines_cache(tiny_checkpoint, tmp_path):
     cost = data["compression"]
     assert cost["compactions"] == 1 + (63 - 17) // 5 and cost["compaction_ms"] > 0
     assert cost["refreshes"] > 0 and cost["refresh_ms"] > 0
+    # at least half of the compactions (and of the refreshes) took their median time or longer
+    spent_s = (cost["compactions"] // 2 * cost["compaction_ms"] + cost["refreshes"] // 2 * cost["refresh_ms"]) / 1000
+    decode_s = 63 / data["engine"]["decode_tok_s"]
+    assert spent_s / decode_s <= cost["share_of_decode"] < 1
 
 
 def load_wall_clock(w: Workload, fail: str | None = None) -> Loaded:
