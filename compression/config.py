@@ -21,7 +21,7 @@ class CompressionConfig:
     aggregation: str = "max"  # BeaconKV: how scores combine over queries and the heads of a KV group
     top_m: int = 4  # BeaconKV, aggregation topm: the mean of this many strongest votes
     temperature: float = 1.0  # BeaconKV, aggregation lse: temperature x logsumexp(votes / temperature)
-    heads_agree: int = 1  # BeaconKV: a key scores its n-th most interested head of the group (1: the best)
+    heads_agree: int = 2  # BeaconKV: a key scores its n-th most interested head of the group (1: the best; a smaller group needs all its heads)
     future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
     fps_density: int = 0  # BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries (0: plain FPS)
     useful_beacons: int = 0  # BeaconKV: a refresh keeps this many beacons that won the most kept keys lately; FPS fills the rest (0: all by FPS)
@@ -57,11 +57,6 @@ class CompressionConfig:
             raise UserError(f"--kv-store is BeaconKV's and takes a number of entries >= 0, got {self.store} with --kv-policy {self.policy}")
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
-
-    def check_fits(self, n_heads: int, n_kv_heads: int) -> None:
-        """The options that depend on the model: one clear error before any work starts."""
-        if self.heads_agree > n_heads // n_kv_heads:
-            raise UserError(f"--kv-heads-agree {self.heads_agree} exceeds the {n_heads // n_kv_heads} query heads that share each KV head of this model")
 
     @property
     def enabled(self) -> bool:

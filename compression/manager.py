@@ -71,7 +71,6 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         L, B, H_kv, S, D = cache.k.shape
-        config.check_fits(n_heads, H_kv)
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]

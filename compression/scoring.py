@@ -31,10 +31,12 @@ def aggregate(logits: torch.Tensor, how: str, top_m: int = 4, temperature: float
 
     heads_agree 1: every (head, query) pair of the group votes together. heads_agree n > 1: each
     head combines its own queries, and a key scores what its n-th most interested head gives it,
-    so a key that a single head wants does not survive on that alone."""
-    if heads_agree > 1:
+    so a key that a single head wants does not survive on that alone. A group of fewer than n
+    heads needs all of them (with one head per group, as in multi-head attention, that is 1)."""
+    agreeing = min(heads_agree, logits.shape[2])
+    if agreeing > 1:
         per_head = _combine(logits, 3, how, top_m, temperature)  # [B, H_kv, G, C]
-        return per_head.topk(heads_agree, dim=2).values[:, :, -1]
+        return per_head.topk(agreeing, dim=2).values[:, :, -1]
     return _combine(logits.flatten(2, 3), 2, how, top_m, temperature)  # [B, H_kv, G*Q, C] -> [B, H_kv, C]
 
 

@@ -273,6 +273,12 @@ def test_a_stopped_run_resumes_without_redoing_its_finished_cells(tiny_folder, t
     assert again["cost"]["streaming"][budget]["tokens_per_s"] == 12345.0  # kept, not redone
     assert again["cost"]["snapkv"][budget]["tokens_per_s"] > 0  # done now
     assert len(again["config"]["cells_done"]) == 2
+    # Cells of another BeaconKV (v1's defaults) do not mix with this one's.
+    data = json.loads(saved.read_text())
+    data["config"]["beacon_defaults"]["heads_agree"] = 1
+    saved.write_text(json.dumps(data))
+    assert evaluate.main(quick_args(tiny_folder, tmp_path)) == 2
+    assert "other settings (beacon_defaults)" in capsys.readouterr().err
     # Other settings do not mix with the saved ones, unless told to start over.
     assert evaluate.main(quick_args(tiny_folder, tmp_path, "--window", "6")) == 2
     assert "--restart" in capsys.readouterr().err
@@ -346,7 +352,7 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
         (["--policies", "beacon:n_beacon=3"], "a variant is beacon:OPTION=VALUE"),
         (["--policies", "beacon:top_m=many"], "top_m=many is not a valid int"),
         (["--policies", "beacon:adaptive_beacons=maybe"], "adaptive_beacons=maybe is not a valid bool"),
-        (["--policies", "beacon:heads_agree=3"], "--kv-heads-agree 3 exceeds the 2 query heads"),
+        (["--policies", "beacon:heads_agree=0"], "--kv-heads-agree must be >= 1"),
         (["--policies", "beacon:aggregation=median"], "unknown --kv-aggregation"),
     ],
 )
