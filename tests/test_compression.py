@@ -439,7 +439,7 @@ def test_seeding_layer_by_layer_picks_the_farthest_prompt_queries_of_each_layer(
     model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (23, 14)]
-    config = CompressionConfig(policy="beacon", budget=16, n_beacon=5, n_recent=4, fps_per_group=False)
+    config = CompressionConfig(policy="beacon", budget=16, n_beacon=5, n_recent=4)
     cache = KVCache.allocate(model.config, 2, 40, torch.float32, CPU)
     manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     prefill(model, cache, prompts, compression=manager)
