@@ -22,7 +22,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
     g.add_argument("--kv-top-m", type=int, default=d.top_m, help="BeaconKV, --kv-aggregation topm: the mean of this many strongest votes")
     g.add_argument("--kv-fps-per-group", action="store_true", help="BeaconKV: one FPS per KV group on its heads' queries side by side, instead of one per query head")
-    g.add_argument("--kv-lazy-refresh", action="store_true", help="BeaconKV: refresh the beacons once just before each compaction, instead of each time the recent ring fills")
+    g.add_argument("--kv-lazy-refresh", action=argparse.BooleanOptionalAction, default=d.lazy_refresh, help="BeaconKV: refresh the beacons once just before each compaction (--no-kv-lazy-refresh: each time the recent ring fills, as v1)")
     g.add_argument("--kv-prefix-budget", type=int, default=d.prefix_budget, help="a long prompt keeps its first 4 and last --kv-prefix-tail tokens and this many of those between, the best the policy scores (0: the whole prompt)")
     g.add_argument("--kv-prefix-tail", type=int, default=d.prefix_tail, help="with --kv-prefix-budget: the prompt's last tokens (the question), kept whole")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")

@@ -21,7 +21,7 @@ class CompressionConfig:
     top_m: int = 4  # BeaconKV, aggregation topm: the mean of this many strongest votes
     heads_agree: int = 2  # BeaconKV: a key scores its n-th most interested head of the group (1: the best; a smaller group needs all its heads)
     fps_per_group: bool = False  # BeaconKV: one FPS per KV group, on its heads' queries side by side; the heads share the beacons' steps
-    lazy_refresh: bool = False  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
+    lazy_refresh: bool = True  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
     prefix_budget: int = 0  # a long prompt keeps this many of the tokens between its first PREFIX_SINKS and last prefix_tail (0: all)
     prefix_tail: int = 64  # with prefix_budget: the prompt's last tokens (the question), kept whole
     seed: int = 0  # for the random policy
