@@ -21,16 +21,10 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-recent", type=int, default=d.n_recent, help="recent queries that score the cache (all policies that use queries)")
     g.add_argument("--kv-aggregation", choices=AGGREGATIONS, default=d.aggregation, help="BeaconKV: how scores combine over queries and the heads of a KV group")
     g.add_argument("--kv-top-m", type=int, default=d.top_m, help="BeaconKV, --kv-aggregation topm: the mean of this many strongest votes")
-    g.add_argument("--kv-temperature", type=float, default=d.temperature, help="BeaconKV, --kv-aggregation lse: temperature x logsumexp(votes / temperature)")
-    g.add_argument("--kv-future-positions", type=int, default=d.future_positions, help="BeaconKV: beacons vote rotated to this many positions, spread from now to the next compaction (1: now)")
-    g.add_argument("--kv-fps-density", type=int, default=d.fps_density, help="BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries, so an outlier is no beacon (0: plain FPS)")
-    g.add_argument("--kv-useful-beacons", type=int, default=d.useful_beacons, help="BeaconKV: a refresh keeps this many beacons that won the most kept keys lately and adds the rest by FPS (0: all by FPS)")
-    g.add_argument("--kv-adaptive-beacons", action="store_true", help="BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window")
     g.add_argument("--kv-fps-per-group", action="store_true", help="BeaconKV: one FPS per KV group on its heads' queries side by side, instead of one per query head")
-    g.add_argument("--kv-lazy-refresh", action="store_true", help="BeaconKV: refresh the beacons once just before each compaction, instead of each time the recent ring fills")
+    g.add_argument("--kv-lazy-refresh", action=argparse.BooleanOptionalAction, default=d.lazy_refresh, help="BeaconKV: refresh the beacons once just before each compaction (--no-kv-lazy-refresh: each time the recent ring fills, as v1)")
     g.add_argument("--kv-prefix-budget", type=int, default=d.prefix_budget, help="a long prompt keeps its first 4 and last --kv-prefix-tail tokens and this many of those between, the best the policy scores (0: the whole prompt)")
     g.add_argument("--kv-prefix-tail", type=int, default=d.prefix_tail, help="with --kv-prefix-budget: the prompt's last tokens (the question), kept whole")
-    g.add_argument("--kv-store", type=int, default=d.store, help="BeaconKV: evicted entries per layer, row and KV head kept in host memory, to come back when they score again (0: eviction is final)")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
 
 
@@ -44,13 +38,7 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         n_recent=args.n_recent,
         aggregation=args.kv_aggregation,
         top_m=args.kv_top_m,
-        temperature=args.kv_temperature,
         heads_agree=args.kv_heads_agree,
-        future_positions=args.kv_future_positions,
-        store=args.kv_store,
-        fps_density=args.kv_fps_density,
-        useful_beacons=args.kv_useful_beacons,
-        adaptive_beacons=args.kv_adaptive_beacons,
         fps_per_group=args.kv_fps_per_group,
         lazy_refresh=args.kv_lazy_refresh,
         prefix_budget=args.kv_prefix_budget,

@@ -118,7 +118,6 @@ def summary(result: GenerationResult) -> str:
         f"prefill: {prefill_rate:.1f} tok/s | decode: {decode_rate:.1f} tok/s | "
         f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
         + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
-        + (f" | back from the store: {sum(result.compression.returned)} entries" if result.compression is not None and result.compression.returned else "")
     )
 
 

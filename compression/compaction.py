@@ -44,41 +44,6 @@ def scatter_bits_(buffer: torch.Tensor, dim: int, index: torch.Tensor, values: t
     buffer.view(bits).scatter_(dim, index, values.to(buffer.dtype).view(bits))
 
 
-def compact_through_store(
-    cache: list[torch.Tensor],  # [k, v, positions]: [L, B, H_kv, S, D] twice and [L, B, H_kv, S], rewritten in place
-    store: list[torch.Tensor],  # [k, v, positions] of evicted entries: [L, B, H_kv, M, D] twice and [L, B, H_kv, M] (-1: empty), rewritten
-    prompt_length: torch.Tensor,  # [B]
-    ranked: torch.Tensor,  # [L, B, H_kv, K + M] best first: offsets into [candidates | store]
-    n_candidates: int,
-    window: int,
-) -> torch.Tensor:
-    """[prefix | candidates | window] becomes [prefix | kept | window | free slots], where the K
-    kept come from the candidates and the store together, in the order of their positions; the M
-    next best become the store, and the rest are dropped. Returns [L, B, H_kv, K] bool: the
-    kept entries that came back from the store."""
-    L, B, H_kv, _ = ranked.shape
-    M = store[2].shape[3]
-    K = ranked.shape[3] - M
-    device = prompt_length.device
-    candidate_slots = prompt_length[:, None] + torch.arange(n_candidates, device=device)  # [B, C]
-    window_slots = prompt_length[:, None] + n_candidates + torch.arange(window, device=device)  # [B, W]
-    target = (prompt_length[:, None] + torch.arange(K + window, device=device))[:, None, :].expand(B, H_kv, K + window)
-    returned = torch.zeros(L, B, H_kv, K, dtype=torch.bool, device=device)
-    for layer in range(L):
-        pool_positions = torch.cat([cache[2][layer].gather(2, candidate_slots[:, None].expand(B, H_kv, -1)), store[2][layer].to(device)], dim=2)
-        kept = ranked[layer, :, :, :K]
-        kept = kept.gather(2, pool_positions.gather(2, kept).argsort(dim=2))  # in the order of their positions
-        returned[layer] = kept >= n_candidates
-        for held, stored in zip(cache, store):
-            trailing = held.shape[4:]
-            pool = torch.cat([held[layer].gather(2, _expand(candidate_slots[:, None].expand(B, H_kv, -1), trailing)), stored[layer].to(device)], dim=2)
-            window_part = held[layer].gather(2, _expand(window_slots[:, None].expand(B, H_kv, -1), trailing))
-            moved = torch.cat([pool.gather(2, _expand(kept, trailing)), window_part], dim=2)  # [B, H_kv, K + W, ...]
-            stored[layer].copy_(pool.gather(2, _expand(ranked[layer, :, :, K:], trailing)))
-            scatter_bits_(held[layer], 2, _expand(target, trailing), moved)
-    return returned
-
-
 def _expand(index: torch.Tensor, trailing: torch.Size) -> torch.Tensor:
     """Indices [..., N] repeated over trailing dims (the head dim of K/V, or none)."""
     return index.view(*index.shape, *(1,) * len(trailing)).expand(*index.shape, *trailing)

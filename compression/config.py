@@ -1,13 +1,12 @@
 """What a KV-cache policy is asked to do: which policy, and the budget it must keep to."""
 
-import math
 from dataclasses import dataclass, replace
 
 from errors import UserError
 
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
-AGGREGATIONS = ("max", "mean", "lse", "topm")
+AGGREGATIONS = ("max", "mean", "topm")
 
 
 @dataclass(frozen=True)
@@ -20,17 +19,11 @@ class CompressionConfig:
     n_recent: int = 16  # recent queries buffered per (layer, query head); the observation window of the baselines
     aggregation: str = "max"  # BeaconKV: how scores combine over queries and the heads of a KV group
     top_m: int = 4  # BeaconKV, aggregation topm: the mean of this many strongest votes
-    temperature: float = 1.0  # BeaconKV, aggregation lse: temperature x logsumexp(votes / temperature)
-    heads_agree: int = 1  # BeaconKV: a key scores its n-th most interested head of the group (1: the best)
-    future_positions: int = 1  # BeaconKV: beacons vote rotated to this many positions, from now to the next compaction (1: now)
-    fps_density: int = 0  # BeaconKV: FPS weighs each query's distance by its density, from its m most similar queries (0: plain FPS)
-    useful_beacons: int = 0  # BeaconKV: a refresh keeps this many beacons that won the most kept keys lately; FPS fills the rest (0: all by FPS)
+    heads_agree: int = 2  # BeaconKV: a key scores its n-th most interested head of the group (1: the best; a smaller group needs all its heads)
     fps_per_group: bool = False  # BeaconKV: one FPS per KV group, on its heads' queries side by side; the heads share the beacons' steps
-    lazy_refresh: bool = False  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
-    adaptive_beacons: bool = False  # BeaconKV: per KV group, as many beacons vote as the share of attention its recent queries put before the window
+    lazy_refresh: bool = True  # BeaconKV: refresh the beacons once, just before each compaction, instead of each time the ring fills
     prefix_budget: int = 0  # a long prompt keeps this many of the tokens between its first PREFIX_SINKS and last prefix_tail (0: all)
     prefix_tail: int = 64  # with prefix_budget: the prompt's last tokens (the question), kept whole
-    store: int = 0  # BeaconKV: evicted entries per (layer, row, KV head) kept on the host, to come back when they score again (0: eviction is final)
     seed: int = 0  # for the random policy
 
     def __post_init__(self):
@@ -38,30 +31,15 @@ class CompressionConfig:
             raise UserError(f"unknown --kv-policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.aggregation not in AGGREGATIONS:
             raise UserError(f"unknown --kv-aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
-        for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree", "future_positions"):
+        for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree"):
             if getattr(self, name) < 1:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.temperature < math.inf:
-            raise UserError(f"--kv-temperature must be a number > 0, got {self.temperature}")
-        if not 0 <= self.useful_beacons <= self.n_beacon:
-            raise UserError(f"--kv-useful-beacons must be between 0 and --n-beacon ({self.n_beacon}), got {self.useful_beacons}")
-        if self.adaptive_beacons and self.aggregation == "mean":
-            raise UserError("--kv-adaptive-beacons masks the votes of idle beacons, which a mean would count: use --kv-aggregation max, lse or topm")
         if self.prefix_budget < 0 or self.prefix_tail < 1:
             raise UserError(f"--kv-prefix-budget must be >= 0 and --kv-prefix-tail >= 1, got {self.prefix_budget} and {self.prefix_tail}")
         if self.prefix_budget and self.policy in ("h2o", "none"):
             raise UserError(f"--kv-prefix-budget needs a policy that scores a prompt: {self.policy} has nothing to score it with")
-        if self.fps_density < 0:
-            raise UserError(f"--kv-fps-density must be >= 0, got {self.fps_density}")
-        if self.store < 0 or (self.store and self.policy != "beacon"):
-            raise UserError(f"--kv-store is BeaconKV's and takes a number of entries >= 0, got {self.store} with --kv-policy {self.policy}")
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
-
-    def check_fits(self, n_heads: int, n_kv_heads: int) -> None:
-        """The options that depend on the model: one clear error before any work starts."""
-        if self.heads_agree > n_heads // n_kv_heads:
-            raise UserError(f"--kv-heads-agree {self.heads_agree} exceeds the {n_heads // n_kv_heads} query heads that share each KV head of this model")
 
     @property
     def enabled(self) -> bool:
@@ -70,18 +48,6 @@ class CompressionConfig:
     @property
     def budget_max(self) -> int:
         return self.budget + self.hysteresis
-
-    @property
-    def beacon_offsets(self) -> list[int]:
-        """Positions ahead of the current one that the beacons vote from: spread evenly up to
-        the next compaction, `hysteresis` + 1 steps away."""
-        n, ahead = self.future_positions, self.hysteresis + 1
-        return [0] if n == 1 else [round(i * ahead / (n - 1)) for i in range(n)]
-
-    @property
-    def changes_early_beacons(self) -> bool:
-        """It differs from plain BeaconKV before its first compaction already (its beacons, or its prompt)."""
-        return bool(self.fps_density or self.fps_per_group or self.lazy_refresh or self.prefix_budget)
 
     @property
     def buffered_beacons(self) -> int:
@@ -97,7 +63,7 @@ class CompressionConfig:
 
 # BeaconKV's options that change only how it scores: a variant with them resumes from the same
 # full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
-VARIANT_OPTIONS = ("aggregation", "top_m", "temperature", "heads_agree", "future_positions", "fps_density", "useful_beacons", "adaptive_beacons", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail", "store")
+VARIANT_OPTIONS = ("aggregation", "top_m", "heads_agree", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

@@ -8,16 +8,16 @@ everything else happens between steps.
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from compression.compaction import compact_in_place, compact_through_store
+from compression.compaction import compact_in_place
 from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
-from compression.scoring import beacon_votes, rotate_to_position
+from compression.scoring import rotate_to_position
 from models.rope import apply_rope
 
 
@@ -36,8 +36,6 @@ class CompressionStats:
     compactions: int = 0
     compaction_s: list[float] = field(default_factory=list)
     refresh_s: list[float] = field(default_factory=list)  # BeaconKV's FPS refreshes
-    returned: list[int] = field(default_factory=list)  # BeaconKV with a store: entries that came back, per compaction
-    kept_again: list[int] = field(default_factory=list)  # of those, how many the next compaction kept again
 
 
 def record_query(
@@ -71,7 +69,6 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         L, B, H_kv, S, D = cache.k.shape
-        config.check_fits(n_heads, H_kv)
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
@@ -91,21 +88,10 @@ class CompressionManager:
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
         self.kept_positions = torch.zeros(L, B, cache.k.shape[2], config.budget, dtype=torch.int64, device=cache.k.device)
-        # BeaconKV with a store: the evicted entries that may come back, keys after RoPE [L, B, H_kv, M, D],
-        # values, and positions [L, B, H_kv, M] (-1: empty); in host memory, pinned when the cache is on a GPU.
-        # BeaconKV keeping its useful beacons: [L, B, H, n_beacon] each beacon's running share of the kept keys it scored best.
-        self.utility = torch.zeros(L, B, n_heads, self.n_beacon, device=cache.k.device) if config.useful_beacons else None
         # Prefix compression: the prompt's last queries [L, B, H, R, D] until they have scored it, and
         # the positions [L, B, H_kv, P] its slots hold afterwards.
         self.prompt_tail: torch.Tensor | None = None
         self.prefix_positions: torch.Tensor | None = None
-        self.store: list[torch.Tensor] | None = None
-        self.returned: torch.Tensor | None = None  # [L, B, H_kv, budget] the kept slots the last compaction brought back
-        if config.store:
-            self.returned = torch.zeros(L, B, H_kv, config.budget, dtype=torch.bool, device=cache.k.device)
-            host = {"device": "cpu", "pin_memory": cache.k.device.type == "cuda"}
-            entries = torch.zeros(L, B, H_kv, config.store, D, dtype=cache.k.dtype, **host)
-            self.store = [entries, entries.clone(), torch.full((L, B, H_kv, config.store), -1, dtype=torch.int64, **host)]
         self.compacted = False
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
@@ -122,11 +108,6 @@ class CompressionManager:
         self.issued_at.zero_()
         if self.received is not None:
             self.received.zero_()
-        if self.utility is not None:
-            self.utility.zero_()
-        if self.store is not None:
-            self.store[2].fill_(-1)
-            self.returned.zero_()
         self.query_slot.fill_(self.n_beacon)
         self.prompt_tail = self.prefix_positions = None
         self.steps = self.generated = 0
@@ -223,34 +204,22 @@ class CompressionManager:
         if self.n_beacon and self.steps % self.config.n_recent == 0 and not self.config.lazy_refresh:
             self._refresh_beacons()
 
-    def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None, start: torch.Tensor | None = None) -> torch.Tensor:
-        """The n_beacon farthest points among candidates [..., N, D] (after those `start` names): [..., n_beacon, D]."""
+    def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The n_beacon farthest points among candidates [..., N, D]: [..., n_beacon, D]."""
         if self.config.fps_per_group:  # one FPS per KV group on its heads' queries side by side; every head takes the same steps
             H_kv = self.cache.k.shape[2]
             H = candidates.shape[-3]
             grouped = candidates.unflatten(-3, (H_kv, H // H_kv)).transpose(-3, -2).flatten(-2)  # [..., H_kv, N, G x D]
-            start = None if start is None else start.unflatten(-2, (H_kv, H // H_kv))[..., 0, :]
-            picks = farthest_point_sampling(grouped, self.n_beacon, valid, self.config.fps_density, start).repeat_interleave(H // H_kv, dim=-2)
+            picks = farthest_point_sampling(grouped, self.n_beacon, valid).repeat_interleave(H // H_kv, dim=-2)
         else:
-            picks = farthest_point_sampling(candidates, self.n_beacon, valid, self.config.fps_density, start)  # [..., n_beacon]
+            picks = farthest_point_sampling(candidates, self.n_beacon, valid)  # [..., n_beacon]
         return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:
         """Continual FPS: the buffer is full, so its beacons and recent queries together yield new
-        beacons. With useful_beacons u, once compactions have scored them, the u beacons that won
-        the most kept keys stay (first) and FPS adds the rest from them."""
+        beacons."""
         start = time.perf_counter()
-        if self.utility is not None and self.compacted:
-            utility = self.utility
-            if self.config.fps_per_group:  # the group's heads hold beacons of the same steps: they rank them together
-                H_kv = self.cache.k.shape[2]
-                utility = utility.unflatten(2, (H_kv, -1)).sum(3, keepdim=True).expand(-1, -1, -1, utility.shape[2] // H_kv, -1).flatten(2, 3)
-            useful = utility.topk(self.config.useful_beacons, dim=-1).indices  # [L, B, H, u] beacon indices
-            self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None, useful)
-            kept_utility = self.utility.gather(3, useful)
-            self.utility.zero_()[..., : self.config.useful_beacons] = kept_utility
-        else:
-            self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
+        self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
         self._sync()
         self.stats.refresh_s.append(time.perf_counter() - start)
 
@@ -272,9 +241,7 @@ class CompressionManager:
         L, B, H_kv, _, D = cache.k.shape
         offsets = torch.arange(n_candidates, device=cache.k.device)
         candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
-        # Beacons are rotated to the current position (and with future_positions > 1, later ones too).
-        ahead = [(cache.position + offset).clamp_max(self.rope_cos.shape[0] - 1) for offset in config.beacon_offsets]  # each [B]
-        beacon_rotations = [(self.rope_cos[p], self.rope_sin[p]) for p in ahead]  # each ([B, D], [B, D])
+        beacon_cos, beacon_sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]: beacons vote from now
         recent, issued_at = self.recent_queries()
         recent_cos, recent_sin = self.rope_cos[issued_at], self.rope_sin[issued_at]  # [B, R, D]
         positions = self.slot_positions()  # [L, B, H_kv, S]
@@ -288,7 +255,7 @@ class CompressionManager:
             received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
             inputs = ScoringInputs(
                 received=received,
-                beacons=torch.cat([rotate_to_position(self.queries[layer, :, :, : self.n_beacon], cos, sin) for cos, sin in beacon_rotations], dim=2),
+                beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], beacon_cos, beacon_sin),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
                 context=cache.k[layer, :, :, :S],
@@ -298,8 +265,9 @@ class CompressionManager:
                 config=config,
                 generator=self.generator,
             )
-            keep.append(self._choose(layer, inputs))
-        self._move(torch.stack(keep), positions, n_candidates)
+            keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
+        moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
+        compact_in_place(moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=cache.k.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True
@@ -308,49 +276,6 @@ class CompressionManager:
         self._sync()
         self.stats.compactions += 1
         self.stats.compaction_s.append(time.perf_counter() - start)
-
-    def _choose(self, layer: int, inputs: ScoringInputs) -> torch.Tensor:
-        """One layer's choice: the kept candidate offsets [B, H_kv, budget], ascending; with a store,
-        offsets into [candidates | store] [B, H_kv, budget + store], best first (kept, then stored)."""
-        config, scorer = self.config, SCORERS[self.config.policy]
-        if self.store is None:
-            keep = scorer(inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values
-            self._count_votes(layer, inputs.beacons, inputs.keys, keep)
-            return keep
-        n_candidates = inputs.keys.shape[2]
-        stored = self.store[0][layer].to(inputs.keys.device, non_blocking=True)
-        pool = replace(inputs, keys=torch.cat([inputs.keys, stored], dim=2))  # the stored entries compete with the candidates
-        scores = scorer(pool)  # [B, H_kv, C + M]
-        empty = self.store[2][layer].to(inputs.keys.device) < 0
-        scores[..., n_candidates:] = scores[..., n_candidates:].masked_fill(empty, float("-inf"))
-        ranked = scores.topk(config.budget + config.store, dim=-1).indices
-        self._count_votes(layer, inputs.beacons, pool.keys, ranked[..., : config.budget])
-        return ranked
-
-    def _move(self, keep: torch.Tensor, positions: torch.Tensor, n_candidates: int) -> None:
-        """[prompt | candidates | window] becomes [prompt | kept | window] in every buffer that
-        moves with the slots (positions [L, B, H_kv, S] among them); with a store, through it."""
-        cache, config = self.cache, self.config
-        if self.store is None:
-            moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
-            compact_in_place(moved, cache.prompt_length, keep, n_candidates, config.window)
-            return
-        kept = keep[..., : config.budget]
-        # The kept part of the last compaction is the first `budget` candidates now.
-        kept_again = (kept < config.budget) & self.returned.gather(3, kept.clamp_max(config.budget - 1))
-        returned = compact_through_store([cache.k, cache.v, positions], self.store, cache.prompt_length, keep, n_candidates, config.window)
-        if self.compacted:
-            self.stats.kept_again.append(int(kept_again.sum()))
-        self.returned.copy_(returned)
-        self.stats.returned.append(int(returned.sum()))
-
-    def _count_votes(self, layer: int, beacons: torch.Tensor, keys: torch.Tensor, kept: torch.Tensor) -> None:
-        """Useful beacons: each beacon's share of this layer's kept keys [B, H_kv, K] (offsets into
-        keys [B, H_kv, N, D]) enters its running average."""
-        if self.utility is None:
-            return
-        kept_keys = keys.gather(2, kept[..., None].expand(*kept.shape, keys.shape[-1]))
-        self.utility[layer].mul_(0.9).add_(beacon_votes(beacons, kept_keys, self.n_beacon), alpha=0.1)
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by every slot, [L, B, H_kv, S] (slots past `length` hold garbage).

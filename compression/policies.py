@@ -13,7 +13,7 @@ from compression.scoring import aggregate, attention_logits, pool
 
 @dataclass
 class ScoringInputs:
-    beacons: torch.Tensor  # [B, H, n_beacon x future_positions, D] BeaconKV's beacon queries, rotated to the current position (and later ones)
+    beacons: torch.Tensor  # [B, H, n_beacon, D] BeaconKV's beacon queries, rotated to the current position
     recent: torch.Tensor  # [B, H, R, D] the most recent queries, oldest first, each rotated to the position it was issued at
     keys: torch.Tensor  # [B, H_kv, C, D] the candidate keys, oldest first
     context: torch.Tensor  # [B, H_kv, S, D] every key in the cache: prompt, candidates, window
@@ -26,34 +26,10 @@ class ScoringInputs:
 
 
 def beacon(x: ScoringInputs) -> torch.Tensor:
-    """BeaconKV: beacons (clusters of past queries) and recent queries vote, max over the group by default."""
-    queries = torch.cat([x.beacons, x.recent], dim=2)
-    c = x.config
-    logits = attention_logits(queries, x.keys)  # [B, H_kv, G, beacons + R, C]
-    if c.adaptive_beacons and x.recent.shape[2]:
-        logits = logits.masked_fill(~active_beacons(x)[:, :, None, :, None], float("-inf"))
-    return aggregate(logits, c.aggregation, c.top_m, c.temperature, c.heads_agree)
-
-
-def active_beacons(x: ScoringInputs) -> torch.Tensor:
-    """Adaptive quotas: [B, H_kv, beacons + R] bool, the votes that count. A KV group whose recent
-    queries put a share s of their attention before the window (on the prompt and the
-    candidates) lets its first round(s x n_beacon) beacons vote, the FPS picks that spread
-    widest; a group that reads only what is recent leaves the choice to the recent queries."""
-    far = attention_on_slots(x, x.candidate_slots[:, -1:] + 1).mean(dim=(2, 3))  # [B, H_kv]
-    n_beacon = x.config.n_beacon
-    active = torch.arange(n_beacon, device=far.device) < (far * n_beacon).round()[..., None]  # [B, H_kv, n_beacon]
-    copies = x.beacons.shape[2] // n_beacon  # beacons rotated to several positions vote together
-    recent = torch.ones(*active.shape[:2], x.recent.shape[2], dtype=torch.bool, device=far.device)
-    return torch.cat([active.repeat(1, 1, copies), recent], dim=2)
-
-
-def attention_on_slots(x: ScoringInputs, end: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, G, R]: the share of each recent query's attention (softmax over the keys it could
-    read) on the slots before end [B, 1]."""
-    logits = attention_logits(x.recent, x.context).masked_fill(~x.visible[:, :, None], float("-inf"))  # [B, H_kv, G, R, S]
-    before = torch.arange(x.context.shape[2], device=end.device)[None, :] < end  # [B, S]
-    return (logits.softmax(dim=-1) * before[:, None, None, None, :]).sum(dim=-1)
+    """BeaconKV: beacons (clusters of past queries) and recent queries vote; by default a key
+    scores the votes of its group's second most interested head."""
+    logits = attention_logits(torch.cat([x.beacons, x.recent], dim=2), x.keys)  # [B, H_kv, G, n_beacon + R, C]
+    return aggregate(logits, x.config.aggregation, x.config.top_m, x.config.heads_agree)
 
 
 def attention_weights(x: ScoringInputs) -> torch.Tensor:

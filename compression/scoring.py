@@ -26,38 +26,26 @@ def attention_logits(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bkgqd,bkcd->bkgqc", grouped, keys.float()) / math.sqrt(D)
 
 
-def aggregate(logits: torch.Tensor, how: str, top_m: int = 4, temperature: float = 1.0, heads_agree: int = 1) -> torch.Tensor:
+def aggregate(logits: torch.Tensor, how: str, top_m: int = 4, heads_agree: int = 1) -> torch.Tensor:
     """Combine [B, H_kv, G, Q, C] over the group's heads and the queries into [B, H_kv, C].
 
     heads_agree 1: every (head, query) pair of the group votes together. heads_agree n > 1: each
     head combines its own queries, and a key scores what its n-th most interested head gives it,
-    so a key that a single head wants does not survive on that alone."""
-    if heads_agree > 1:
-        per_head = _combine(logits, 3, how, top_m, temperature)  # [B, H_kv, G, C]
-        return per_head.topk(heads_agree, dim=2).values[:, :, -1]
-    return _combine(logits.flatten(2, 3), 2, how, top_m, temperature)  # [B, H_kv, G*Q, C] -> [B, H_kv, C]
+    so a key that a single head wants does not survive on that alone. A group of fewer than n
+    heads needs all of them (with one head per group, as in multi-head attention, that is 1)."""
+    agreeing = min(heads_agree, logits.shape[2])
+    if agreeing > 1:
+        per_head = _combine(logits, 3, how, top_m)  # [B, H_kv, G, C]
+        return per_head.topk(agreeing, dim=2).values[:, :, -1]
+    return _combine(logits.flatten(2, 3), 2, how, top_m)  # [B, H_kv, G*Q, C] -> [B, H_kv, C]
 
 
-def _combine(scores: torch.Tensor, dim: int, how: str, top_m: int, temperature: float) -> torch.Tensor:
+def _combine(scores: torch.Tensor, dim: int, how: str, top_m: int) -> torch.Tensor:
     if how == "max":
         return scores.amax(dim)
     if how == "mean":
         return scores.mean(dim)
-    if how == "topm":  # the mean of the m strongest votes: softer than max, sharper than mean
-        return scores.topk(min(top_m, scores.shape[dim]), dim=dim).values.mean(dim)
-    return temperature * (scores / temperature).logsumexp(dim)  # "lse": a soft maximum, max as temperature -> 0
-
-
-def beacon_votes(beacons: torch.Tensor, kept_keys: torch.Tensor, n_beacon: int) -> torch.Tensor:
-    """The share [B, H, n_beacon] of kept keys [B, H_kv, K, D] for which each beacon (of its own
-    query head) gave the highest logit; beacons [B, H, copies x n_beacon, D] may hold each beacon
-    rotated to several positions, its best copy counting."""
-    B, H, _, D = beacons.shape
-    H_kv, K = kept_keys.shape[1], kept_keys.shape[2]
-    logits = attention_logits(beacons, kept_keys)  # [B, H_kv, G, copies x n_beacon, K]
-    best = logits.unflatten(3, (-1, n_beacon)).amax(3).argmax(3)  # [B, H_kv, G, K]
-    votes = torch.zeros(B, H_kv, H // H_kv, n_beacon, device=beacons.device).scatter_add_(3, best, torch.ones_like(best, dtype=torch.float32))
-    return (votes / K).view(B, H, n_beacon)
+    return scores.topk(min(top_m, scores.shape[dim]), dim=dim).values.mean(dim)  # "topm": softer than max, sharper than mean
 
 
 def pool(scores: torch.Tensor, kernel: int, how: str) -> torch.Tensor:

@@ -37,7 +37,8 @@ class Conversation:
     system: str | None = None
     max_positions: int = 1 << 62  # the model's position limit
     messages: list[dict] = field(default_factory=list)
-    cache_text: str = ""  # the text whose tokens the cache holds
+    cache_text: str = ""  # the text of the tokens the cache holds, and of `pending`
+    pending: list[int] = field(default_factory=list)  # the last answer's last token: sampled, not fed yet
     fed: list[int] = field(default_factory=list)  # every token fed, in order (the cache's content, without a KV policy)
     restarts: int = 0  # times a template rewrote history and the conversation was prefilled again
 
@@ -47,7 +48,7 @@ class Conversation:
     def reset(self) -> None:
         self.session.reset()
         self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
-        self.cache_text, self.fed = "", []
+        self.cache_text, self.fed, self.pending = "", [], []
 
     def turn(self, user_text: str, max_new_tokens: int, on_tokens: OnTokens | None = None) -> Turn:
         """Answer one user message. A message that does not fit raises a UserError and changes nothing."""
@@ -55,7 +56,8 @@ class Conversation:
         full = self.tokenizer.render_chat(messages, add_generation_prompt=True)
         restart = not full.startswith(self.cache_text)
         new_text = full if restart else full[len(self.cache_text) :]
-        new_ids = self.tokenizer.encode(new_text, add_special_tokens=restart)
+        # The pending token goes in as it was sampled: alone, its text may be part of a character.
+        new_ids = ([] if restart else self.pending) + self.tokenizer.encode(new_text, add_special_tokens=restart)
         max_new_tokens = self._room(len(new_ids), max_new_tokens, restart)
         if restart and self.cache_text:
             self.restarts += 1
@@ -67,11 +69,11 @@ class Conversation:
         logits = self.session.last_logits[0]
         answer = decode(self.session, first, max_new_tokens, on_tokens)[0][0]
         # The last sampled token is fed only by a next step: unless it was EOS, the answer's last
-        # token is not in the cache yet, and the next turn's text starts with it.
+        # token is not in the cache yet, and the next turn starts with it.
         ended_on_eos = self.session.tokens.tolist()[0] in self.session.eos_ids
-        answer_fed = answer if ended_on_eos else answer[:-1]
-        self.fed += answer_fed
-        self.cache_text = full + self.tokenizer.decode(answer_fed)
+        self.pending = [] if ended_on_eos else answer[-1:]
+        self.fed += answer[: len(answer) - len(self.pending)]
+        self.cache_text = full + self.tokenizer.decode(answer)
         self.messages = messages + [{"role": "assistant", "content": self.tokenizer.decode(answer)}]
         return Turn(answer, len(new_ids), logits)
 

@@ -26,7 +26,7 @@ from errors import UserError
 from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
 from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
-from evaluation.saving import check_resumable, write_atomically
+from evaluation.saving import beacon_defaults, check_resumable, write_atomically
 from evaluation.tasks import chat_prompt
 from models.transformer import Transformer
 from weights.loader import load_model
@@ -135,7 +135,7 @@ def run_cell(
 
 def settings_of(config: HumanEvalConfig) -> dict:
     """What a run measured with, as JSON: a resumed run must match it (another thread count may round differently)."""
-    return json.loads(json.dumps(asdict(config) | {"threads": torch.get_num_threads()}, default=str))
+    return json.loads(json.dumps(asdict(config) | {"threads": torch.get_num_threads(), "beacon_defaults": beacon_defaults()}, default=str))
 
 
 def read_humaneval(path: Path) -> HumanEvalResults:
@@ -166,8 +166,6 @@ def evaluate_humaneval(config: HumanEvalConfig, on_progress: Callable[[HumanEval
     problems = load_problems(config.first, config.last)
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
-    for policy in config.policies:  # before hours of work, not after the full cache's
-        config.compression(policy, config.budgets[0]).check_fits(model.config.n_heads, model.config.n_kv_heads)
     tokenizer = Tokenizer.from_dir(config.checkpoint)
     cells = [("none", None)] + [(p, b) for b in config.budgets for p in config.policies]
     todo = [c for c in cells if cell_key(*c) not in results.cells]

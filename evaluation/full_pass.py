@@ -4,7 +4,7 @@ the whole batch again (45 min for SmolLM2's default run on a 2-core CPU).
 What is saved is what the cells need: the full cache's predictions and log-probabilities, and
 each snapshot a policy resumes from (the slots in use, the recorder's query buffer, H2O's sums).
 The file carries the settings it was made with and is used only under the same ones, but for
-the policies, BeaconKV's aggregation and the budgets (a subset will do), which the full cache does
+the policies, BeaconKV's aggregation and defaults, and the budgets (a subset will do), which the full cache does
 not depend on: a run of other policies (an ablation) can start from another run's pass (`--full-pass`).
 """
 
@@ -63,9 +63,9 @@ def load(
 
 
 def _comparable(settings: dict) -> dict:
-    """What the full cache's pass depends on: not the folder, the policies or the aggregation;
-    budgets only in that each needs its snapshot."""
-    return {k: v for k, v in settings.items() if k not in ("out", "policies", "aggregation", "budgets")}
+    """What the full cache's pass depends on: not the folder, the policies, the aggregation or
+    BeaconKV's defaults (its recorder is pinned); budgets only in that each needs its snapshot."""
+    return {k: v for k, v in settings.items() if k not in ("out", "policies", "aggregation", "budgets", "beacon_defaults")}
 
 
 def _state_to_dict(state: State) -> dict:

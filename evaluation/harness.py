@@ -18,7 +18,7 @@ from evaluation.config import EvalConfig
 from evaluation.future_attention import FullAttention, future_attention_recall, full_cache_compactions
 from evaluation.metrics import Results, continuation, cost, retrieval, streaming_loss
 from evaluation.runs import CPU, Batch, Run, full_cache_pass, log, recorder, run_all
-from evaluation.saving import check_resumable
+from evaluation.saving import beacon_defaults, check_resumable
 from evaluation.tasks import continuation_rows, reasoning_trace, text_rows
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ def settings_of(config: EvalConfig, batch: Batch) -> dict:
         "recalls": sum(len(r.recalls) for r in batch.rows),
         "batch_sha256": hashlib.sha256(tokens.encode()).hexdigest(),  # the very tokens: a changed generator does not resume
         "threads": torch.get_num_threads(),  # another thread count may round differently
+        "beacon_defaults": beacon_defaults(),
     }
     return json.loads(json.dumps(settings, default=str))
 
@@ -64,8 +65,6 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
     started = time.perf_counter()
     log(f"loading {config.checkpoint} in {config.dtype}")
     model = load_model(config.checkpoint, DTYPES[config.dtype], CPU)
-    for policy in config.policies:  # before hours of work, not after the full cache's
-        config.compression(policy, config.budgets[0]).check_fits(model.config.n_heads, model.config.n_kv_heads)
     tokenizer = Tokenizer.from_dir(config.checkpoint)
     batch = build_batch(tokenizer, config)
     if batch.n_positions > model.config.max_position_embeddings:

@@ -79,8 +79,6 @@ class CostResult:
     kv_cache_mib: float  # the whole batch's static cache
     query_buffer_mib: float
     rows: int
-    returned_per_compaction: float = float("nan")  # BeaconKV with a store: entries back from it, per compaction (all layers, rows, KV heads)
-    kept_again: float = float("nan")  # of those, the share the next compaction kept again
 
 
 def cost(run: Run, rows: int) -> CostResult:
@@ -88,7 +86,6 @@ def cost(run: Run, rows: int) -> CostResult:
         return 1000 * sum(xs) / len(xs) if xs else float("nan")
 
     s = run.stats
-    returned = s.returned[: len(s.kept_again)]  # the compactions a later one judged
     return CostResult(
         rows * run.steps / run.seconds if run.seconds > 0 else float("nan"),
         mean_ms(s.compaction_s),
@@ -96,8 +93,6 @@ def cost(run: Run, rows: int) -> CostResult:
         run.kv_cache_bytes / 2**20,
         run.query_buffer_bytes / 2**20,
         rows,
-        sum(s.returned) / len(s.returned) if s.returned else float("nan"),
-        sum(s.kept_again) / sum(returned) if sum(returned) else float("nan"),
     )
 
 

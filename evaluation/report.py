@@ -65,14 +65,12 @@ COLUMNS = {
     "cost": Column(
         "Cost",
         "decode tokens/s of the whole batch (compactions and refreshes included) / ms per compaction / "
-        "ms per FPS refresh (BeaconKV) / KV cache MiB of the batch; with a store, the entries back from it per "
-        "compaction and the share of them the next compaction kept again",
+        "ms per FPS refresh (BeaconKV) / KV cache MiB of the batch",
         lambda r: " / ".join(
             [f"{r.tokens_per_s:.1f} tok/s"]
             + ([f"{r.ms_per_compaction:.0f} ms"] if r.ms_per_compaction == r.ms_per_compaction else [])
             + ([f"{r.ms_per_refresh:.1f} ms"] if r.ms_per_refresh == r.ms_per_refresh else [])
             + [f"{r.kv_cache_mib:.1f} MiB"]
-            + ([f"{r.returned_per_compaction:.0f} back, {r.kept_again:.0%} kept again"] if r.returned_per_compaction == r.returned_per_compaction else [])
         ),
         "cost: decode tokens/s of the batch",
         lambda r: r.tokens_per_s,

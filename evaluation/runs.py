@@ -104,8 +104,18 @@ def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_sl
 
 
 def recorder(config: EvalConfig, batch: Batch) -> CompressionConfig:
-    """The full cache's manager: it records queries and beacons as BeaconKV's does, and never compacts."""
-    return CompressionConfig("beacon", batch.length, 1, config.window, config.n_beacon, config.n_recent)
+    """The full cache's manager: it records queries and beacons as BeaconKV v1 does (FPS per query
+    head, a refresh each time the ring fills), and never compacts. Pinned to v1, not BeaconKV's
+    defaults, so that saved passes stay valid when the defaults change."""
+    return CompressionConfig("beacon", batch.length, 1, config.window, config.n_beacon, config.n_recent, fps_per_group=False, lazy_refresh=False)
+
+
+def differs_before_compacting(compression: CompressionConfig, recorder: CompressionConfig) -> bool:
+    """A policy whose beacons (or prompt) differ from the recorder's before its first compaction:
+    no snapshot of the full cache fits it, so it runs from the start."""
+    if compression.prefix_budget:
+        return True
+    return compression.policy == "beacon" and (compression.fps_per_group, compression.lazy_refresh) != (recorder.fps_per_group, recorder.lazy_refresh)
 
 
 def snapshot(state: State) -> State:
@@ -250,7 +260,7 @@ def run_all(
             on_run(replace(full, policy=policy, budget=budget))
             continue
         compression = config.compression(policy, budget)
-        if compression.changes_early_beacons:  # unlike the full cache's recorder: no snapshot of it fits
+        if differs_before_compacting(compression, recorder(config, batch)):
             first = 0
             state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
         else:

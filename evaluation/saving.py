@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from compression.config import VARIANT_OPTIONS, CompressionConfig
 from errors import UserError
 
 
@@ -20,6 +21,13 @@ def write_atomically_with(path: Path, write: Callable[[Path], None]) -> None:
     partial = path.with_name(path.name + ".partial")
     write(partial)
     os.replace(partial, path)
+
+
+def beacon_defaults() -> dict:
+    """BeaconKV's options as policy "beacon" runs them: cells of another version of BeaconKV
+    (v1 scored with heads_agree 1) must not resume into this one's table."""
+    defaults = CompressionConfig()
+    return {name: getattr(defaults, name) for name in VARIANT_OPTIONS}
 
 
 def check_resumable(saved: dict, settings: dict) -> None:

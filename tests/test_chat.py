@@ -38,6 +38,28 @@ def test_each_turn_equals_one_prefill_of_the_whole_conversation(chat_checkpoint)
     assert conversation.restarts == 0
 
 
+def test_an_answer_cut_inside_a_character_goes_on_without_a_restart(chat_checkpoint):
+    """An answer that stops after a token holding only part of a character's bytes: the cache
+    holds all but its last token, whose text is not a prefix of the whole answer's. The next
+    turn feeds that token itself and goes on, as one prefill of the conversation would."""
+    model = load_model(chat_checkpoint, torch.float32, CPU)
+    tokenizer = Tokenizer.from_dir(chat_checkpoint)
+    for n in range(2, 40):
+        conversation = Conversation(Session(model, 1, 512, frozenset()), tokenizer, None, 512)
+        answer = conversation.turn(MESSAGES[0], n).answer
+        if not tokenizer.decode(answer).startswith(tokenizer.decode(answer[:-1])):
+            break
+    else:
+        pytest.fail("no answer of 2-39 tokens ends inside a character")
+    held = len(conversation.fed)
+    turn = conversation.turn(MESSAGES[1], 4)
+    assert conversation.restarts == 0
+    assert conversation.fed[held] == answer[-1]  # the cut token, fed as it was sampled
+    history = conversation.fed[: held + turn.prefilled]
+    cache = KVCache.allocate(model.config, 1, len(history), torch.float32, CPU)
+    assert (turn.prefill_logits - prefill(model, cache, [history])[0]).abs().max().item() <= 1e-4
+
+
 def test_a_kv_policy_keeps_a_long_conversation_in_its_cache(chat_checkpoint):
     model = load_model(chat_checkpoint, torch.float32, CPU)
     tokenizer = Tokenizer.from_dir(chat_checkpoint)

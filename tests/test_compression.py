@@ -7,10 +7,10 @@ import torch
 
 from compression.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
-from compression.fps import farthest_point_sampling, local_density
+from compression.fps import farthest_point_sampling
 from compression.manager import CompressionManager
 from compression.policies import SCORERS
-from compression.scoring import aggregate, attention_logits, beacon_votes
+from compression.scoring import aggregate, attention_logits
 from engine.decode import decode_step, prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
@@ -44,91 +44,6 @@ def test_fps_picks_the_same_points_as_brute_force():
             assert picks[b, h].tolist() == brute_force_fps(points[b, h], 4, valid[b, 0].tolist())
 
 
-def brute_force_density_fps(points: torch.Tensor, k: int, valid: list[bool], m: int) -> list[int]:
-    """Density-weighted FPS by its definition, with scalars."""
-    n = points.shape[0]
-    sim = [[torch.cosine_similarity(points[i], points[j], dim=0).item() for j in range(n)] for i in range(n)]
-    candidates = [i for i in range(n) if valid[i]]
-    m = min(m, n - 1)
-    density = {i: (1 + sum(sorted([sim[i][j] if valid[j] else -1.0 for j in range(n) if j != i], reverse=True)[:m]) / m) / 2 for i in candidates}
-    mean = {i: sum(sim[i][j] for j in candidates) / len(candidates) for i in candidates}
-    chosen = [max(candidates, key=lambda i: (1 - mean[i]) * density[i])]
-    while len(chosen) < k:
-        chosen.append(max(candidates, key=lambda i: (1 - max(sim[i][c] for c in chosen)) * density[i]))
-    return chosen
-
-
-def test_density_weighted_fps_picks_the_same_points_as_its_definition():
-    torch.manual_seed(10)
-    points = torch.randn(2, 2, 14, 5)
-    valid = torch.rand(2, 1, 14) > 0.2
-    picks = farthest_point_sampling(points, 5, valid, density_m=3)
-    for b in range(2):
-        for h in range(2):
-            assert picks[b, h].tolist() == brute_force_density_fps(points[b, h], 5, valid[b, 0].tolist(), 3)
-    unit = torch.nn.functional.normalize(points, dim=-1)
-    chunked = local_density(unit, valid.expand(2, 2, 14), 3, rows_per_chunk=4)
-    assert torch.allclose(chunked, local_density(unit, valid.expand(2, 2, 14), 3), atol=1e-6, rtol=0)  # chunks change nothing but rounding
-
-
-def test_density_weighted_fps_leaves_a_planted_outlier_out():
-    """Three tight clusters and one lone point: plain FPS takes the lone point among its first
-    four, the density-weighted one takes one point of each cluster before it."""
-    torch.manual_seed(11)
-    centres = torch.eye(4)[:3] * 10  # three directions
-    clusters = [c + 0.3 * torch.randn(6, 4) for c in centres]
-    outlier = torch.tensor([[0.0, 0.0, 0.0, 10.0]])
-    points = torch.cat([*clusters, outlier])  # the outlier is point 18
-    plain = farthest_point_sampling(points, 4).tolist()
-    weighted = farthest_point_sampling(points, 4, density_m=3).tolist()
-    assert 18 in plain
-    assert 18 not in weighted[:3] and sorted(p // 6 for p in weighted[:3]) == [0, 1, 2]
-
-
-def test_fps_from_given_points_continues_from_them():
-    torch.manual_seed(12)
-    points = torch.randn(2, 10, 4)
-    start = torch.tensor([[3, 7], [0, 5]])
-    picks = farthest_point_sampling(points, 5, start=start)
-    for b in range(2):
-        chosen = start[b].tolist()
-        sim = torch.nn.functional.cosine_similarity(points[b][:, None], points[b][None], dim=-1)
-        while len(chosen) < 5:
-            chosen.append(min(range(10), key=lambda i: max(sim[i, c].item() for c in chosen)))
-        assert picks[b].tolist() == chosen
-
-
-def test_beacon_votes_count_the_kept_keys_each_beacon_scored_best():
-    torch.manual_seed(13)
-    B, H, H_kv, n_beacon, copies, K, D = 2, 4, 2, 3, 2, 7, 5
-    beacons, keys = torch.randn(B, H, copies * n_beacon, D), torch.randn(B, H_kv, K, D)
-    got = beacon_votes(beacons, keys, n_beacon)
-    for b in range(B):
-        for h in range(H):
-            counts = [0] * n_beacon
-            for k in range(K):
-                scores = [max((beacons[b, h, c * n_beacon + j] @ keys[b, h // (H // H_kv), k]).item() for c in range(copies)) for j in range(n_beacon)]
-                counts[scores.index(max(scores))] += 1
-            assert got[b, h].tolist() == pytest.approx([c / K for c in counts])
-
-
-def test_a_refresh_keeps_the_most_useful_beacons_and_adds_the_rest_by_fps(tiny_checkpoint):
-    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    config = CompressionConfig(policy="beacon", budget=8, hysteresis=4, window=3, n_beacon=4, n_recent=4, useful_beacons=2)
-    cache = KVCache.allocate(model.config, 1, 40, torch.float32, CPU)
-    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    torch.manual_seed(14)
-    manager.queries.copy_(torch.randn_like(manager.queries))
-    manager.utility.copy_(torch.rand_like(manager.utility))
-    manager.compacted = True  # utility counts once compactions have scored the beacons
-    before, utility = manager.queries.clone(), manager.utility.clone()
-    manager._refresh_beacons()
-    useful = utility.topk(2, dim=-1).indices  # [L, B, H, 2]
-    expected = farthest_point_sampling(before, 4, start=useful)
-    assert torch.equal(manager.queries[:, :, :, :4], before.gather(3, expected[..., None].expand(*expected.shape, before.shape[-1])))
-    assert torch.equal(manager.utility[..., :2], utility.gather(3, useful)) and not manager.utility[..., 2:].any()
-
-
 def test_fps_with_fewer_valid_points_than_picks_repeats_valid_ones():
     points = torch.randn(1, 6, 3)
     valid = torch.tensor([[False, True, False, True, False, False]])
@@ -136,7 +51,7 @@ def test_fps_with_fewer_valid_points_than_picks_repeats_valid_ones():
     assert set(picks) == {1, 3}
 
 
-@pytest.mark.parametrize("how", ["max", "mean", "lse"])
+@pytest.mark.parametrize("how", ["max", "mean"])
 def test_scores_match_each_query_head_to_its_own_kv_head(how):
     torch.manual_seed(1)
     B, H, H_kv, Q, C, D = 2, 6, 2, 3, 7, 4
@@ -151,7 +66,7 @@ def test_scores_match_each_query_head_to_its_own_kv_head(how):
                     for h in range(kv * G, (kv + 1) * G)  # query heads h with h // G == kv
                     for q in range(Q)
                 ]
-                expected = {"max": max(logits), "mean": sum(logits) / len(logits), "lse": math.log(sum(map(math.exp, logits)))}[how]
+                expected = {"max": max(logits), "mean": sum(logits) / len(logits)}[how]
                 assert got[b, kv, c].item() == pytest.approx(expected, abs=1e-5)
 
 
@@ -285,23 +200,22 @@ def test_compiled_step_with_query_recording_equals_eager(policy, tiny_checkpoint
     assert compiled.tokens == eager.tokens and compiled.compression.compactions == eager.compression.compactions > 0
 
 
-@pytest.mark.parametrize("how, top_m, temperature", [("topm", 3, 1.0), ("topm", 50, 1.0), ("lse", 1, 0.25), ("lse", 1, 4.0), ("max", 1, 1.0)])
-@pytest.mark.parametrize("heads_agree", [1, 2, 3])
-def test_softer_aggregations_and_heads_that_agree_match_their_definitions(how, top_m, temperature, heads_agree):
+@pytest.mark.parametrize("how, top_m", [("topm", 3), ("topm", 50), ("max", 1)])
+@pytest.mark.parametrize("H, heads_agree", [(6, 1), (6, 2), (6, 3), (6, 4), (2, 2)])
+def test_softer_aggregations_and_heads_that_agree_match_their_definitions(how, top_m, H, heads_agree):
     """Each head's votes are its queries' logits; heads_agree n scores a key by its n-th best head
-    (each head combining its own queries), 1 by all the group's votes together."""
+    (each head combining its own queries), 1 by all the group's votes together. A group of fewer
+    than n heads needs all of them: 4 of a group of 3, and 2 of one head (multi-head attention)."""
     torch.manual_seed(6)
-    B, H, H_kv, Q, C, D = 1, 6, 2, 4, 5, 4
+    B, H_kv, Q, C, D = 1, 2, 4, 5, 4
     queries, keys = torch.randn(B, H, Q, D), torch.randn(B, H_kv, C, D)
-    got = aggregate(attention_logits(queries, keys), how, top_m, temperature, heads_agree)
+    got = aggregate(attention_logits(queries, keys), how, top_m, heads_agree)
     G = H // H_kv
 
     def combine(votes: list[float]) -> float:
         if how == "topm":
             strongest = sorted(votes, reverse=True)[:top_m]
             return sum(strongest) / len(strongest)
-        if how == "lse":
-            return temperature * math.log(sum(math.exp(v / temperature) for v in votes))
         return max(votes)
 
     for kv in range(H_kv):
@@ -310,16 +224,8 @@ def test_softer_aggregations_and_heads_that_agree_match_their_definitions(how, t
             if heads_agree == 1:
                 expected = combine([v for head in votes.values() for v in head])
             else:
-                expected = sorted((combine(head) for head in votes.values()), reverse=True)[heads_agree - 1]
+                expected = min(combine(head) for head in votes.values()) if heads_agree >= G else sorted((combine(head) for head in votes.values()), reverse=True)[heads_agree - 1]
             assert got[0, kv, c].item() == pytest.approx(expected, abs=1e-5)
-
-
-def test_more_agreeing_heads_than_a_group_has_is_one_clear_error(tiny_checkpoint):
-    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    G = model.config.n_heads // model.config.n_kv_heads
-    cache = KVCache.allocate(model.config, 1, 16, torch.float32, CPU)
-    with pytest.raises(UserError, match=f"--kv-heads-agree {G + 1} exceeds the {G} query heads"):
-        CompressionManager(CompressionConfig(policy="beacon", heads_agree=G + 1), cache, model.config.n_heads, model.rope_cos, model.rope_sin)
 
 
 def test_bad_compression_options_are_refused():
@@ -331,8 +237,6 @@ def test_bad_compression_options_are_refused():
         CompressionConfig(aggregation="median")
     with pytest.raises(UserError, match="--kv-top-m must be >= 1"):
         CompressionConfig(aggregation="topm", top_m=0)
-    with pytest.raises(UserError, match="--kv-temperature must be a number > 0"):
-        CompressionConfig(aggregation="lse", temperature=float("nan"))
     with pytest.raises(UserError, match="--kv-heads-agree must be >= 1"):
         CompressionConfig(heads_agree=0)
 
@@ -583,128 +487,6 @@ def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_chec
     model.norm.register_forward_hook(lambda m, i, out: alive_after_the_layers.append(first_queries[0]() is not None))
     session.prefill([list(range(40, 70))])
     assert alive_after_the_layers == [False]
-
-
-@pytest.mark.parametrize("future_positions", [1, 3])
-def test_beacons_vote_rotated_to_each_future_position(future_positions, tiny_checkpoint, monkeypatch):
-    """With future_positions n, the beacons are scored as n copies, each rotated explicitly to a
-    position spread from the current one to the next compaction's (hysteresis + 1 steps ahead)."""
-    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    config = CompressionConfig(policy="beacon", budget=8, hysteresis=4, window=4, n_beacon=3, n_recent=6, future_positions=future_positions)
-    cache = KVCache.allocate(model.config, 1, config.slots_needed(9, 30), torch.float32, CPU)
-    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    seen = []
-    monkeypatch.setitem(SCORERS, "beacon", lambda x: (seen.append((x.beacons.clone(), manager.queries[len(seen), :, :, :3].clone(), cache.position.item())), SCORERS_BEFORE["beacon"](x))[1])
-    prefill(model, cache, [[5 + i for i in range(9)]], compression=manager)
-    tokens, finished, eos = torch.tensor([3]), torch.zeros(1, dtype=torch.bool), torch.tensor([-1])
-    while manager.stats.compactions == 0:
-        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
-        manager.after_step()
-    beacons, raw, position = seen[0]  # layer 0
-    ahead = {1: [0], 3: [0, 2, 5]}[future_positions]  # hysteresis + 1 = 5 steps to the next compaction
-    assert beacons.shape[2] == 3 * len(ahead)
-    for i, offset in enumerate(ahead):
-        p = torch.tensor([position + offset])
-        expected = apply_rope(raw, model.rope_cos[p][:, None, None].expand(1, 1, 3, -1), model.rope_sin[p][:, None, None].expand(1, 1, 3, -1))
-        assert torch.allclose(beacons[:, :, 3 * i : 3 * (i + 1)], expected, atol=1e-6)
-
-
-def test_evicted_entries_come_back_from_the_store_exactly_as_they_were_written(tiny_checkpoint, monkeypatch):
-    """BeaconKV with a store: at every compaction the kept slots are the best `budget` of the
-    candidates and the stored entries together and the store the next best, scored alike; each
-    entry, wherever it moves, holds exactly the key and value its position was written with."""
-    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    config = CompressionConfig(policy="beacon", budget=8, hysteresis=6, window=3, n_beacon=3, n_recent=4, store=5)
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    cache = KVCache.allocate(model.config, 2, config.slots_needed(5, 80), torch.float32, CPU)
-    manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    # Score by a value each key carries, so the choice can be checked: one coordinate of the key,
-    # another at each compaction, so that an evicted entry can win later.
-    scored, coordinate = [], lambda: manager.stats.compactions % model.config.head_dim
-
-    def one_coordinate(x):
-        layer = len(scored) % model.config.n_layers
-        empty = torch.cat([torch.zeros(x.keys.shape[:2] + (x.keys.shape[2] - config.store,), dtype=torch.bool), manager.store[2][layer] < 0], dim=2)
-        scored.append(x.keys[..., coordinate()].masked_fill(empty, -math.inf))  # empty store entries cannot compete
-        return x.keys[..., coordinate()].clone()
-
-    monkeypatch.setitem(SCORERS, "beacon", one_coordinate)
-    prefill(model, cache, prompts, compression=manager)
-    written = {}  # (row, position) -> ([L, H_kv, D] keys, values) as the step wrote them
-    tokens, finished, eos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.bool), torch.tensor([-1])
-    g = torch.Generator().manual_seed(9)
-    for _ in range(80):
-        tokens.copy_(torch.randint(3, 384, (2,), generator=g))
-        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
-        for b in range(2):
-            slot = cache.length[b].item() - 1
-            written[(b, cache.position[b].item() - 1)] = (cache.k[:, b, :, slot].clone(), cache.v[:, b, :, slot].clone())
-        before = manager.stats.compactions
-        manager.after_step()
-        if manager.stats.compactions == before:
-            continue
-        positions = manager.slot_positions()
-        for layer in range(model.config.n_layers):
-            pool = scored[-model.config.n_layers + layer]  # [B, H_kv, C + M]: what competed, scored
-            for b in range(2):
-                P = prompts[b].__len__()
-                for h in range(model.config.n_kv_heads):
-                    held = [(positions[layer, b, h, s].item(), cache.k[layer, b, h, s], cache.v[layer, b, h, s]) for s in range(P, P + config.budget)]
-                    stored = [(p, k, v) for p, k, v in zip(manager.store[2][layer, b, h].tolist(), manager.store[0][layer, b, h], manager.store[1][layer, b, h]) if p >= 0]
-                    for p, k, v in held + stored:
-                        assert torch.equal(k, written[(b, p)][0][layer, h]) and torch.equal(v, written[(b, p)][1][layer, h])
-                    assert len({p for p, _, _ in held + stored}) == len(held) + len(stored)  # no entry twice
-                    ranked = pool[b, h].sort(descending=True).values
-                    c = (manager.stats.compactions - 1) % model.config.head_dim  # the coordinate this compaction scored by
-                    assert sorted(k[c].item() for _, k, _ in held) == sorted(ranked[: config.budget].tolist())
-                    assert sorted(k[c].item() for _, k, _ in stored) == sorted(v for v in ranked[config.budget : config.budget + config.store].tolist() if v > -math.inf)
-                    assert [p for p, _, _ in held] == sorted(p for p, _, _ in held)
-    assert manager.stats.compactions >= 5 and sum(manager.stats.returned) > 0
-
-
-def test_a_store_is_beacons_only():
-    with pytest.raises(UserError, match="--kv-store is BeaconKV's"):
-        CompressionConfig(policy="snapkv", store=16)
-
-
-def test_adaptive_quotas_let_as_many_beacons_vote_as_the_recent_queries_look_back():
-    """Per KV group, the first round(share x n_beacon) beacons vote, share being the recent
-    queries' mean attention before the window (softmax over the keys each could read); the
-    score is the max over the votes that count, computed with scalars."""
-    from compression.policies import ScoringInputs, beacon
-
-    g = torch.Generator().manual_seed(15)
-    B, H, H_kv, R, S, D, n_beacon = 2, 4, 2, 3, 12, 8, 4
-    recent, beacons = torch.randn(B, H, R, D, generator=g), 3 * torch.randn(B, H, n_beacon, D, generator=g)
-    context = torch.randn(B, H_kv, S, D, generator=g)
-    context[0, 0, :9] *= 4  # one group whose queries look far back, others less so
-    candidates = torch.tensor([[2, 3, 4, 5, 6, 7, 8], [3, 4, 5, 6, 7, 8, 9]])  # the window follows
-    visible = (torch.arange(S)[None, None, None, :] <= torch.tensor([9, 10, 11])[None, None, :, None]).expand(B, H_kv, R, S)
-    config = CompressionConfig(policy="beacon", n_beacon=n_beacon, adaptive_beacons=True)
-    keys = context.gather(2, candidates[:, None, :, None].expand(B, H_kv, 7, D))
-    x = ScoringInputs(recent=recent, beacons=beacons, keys=keys, context=context, visible=visible,
-                      in_use=torch.ones(B, S, dtype=torch.bool), candidate_slots=candidates, config=config, generator=g)
-    got = beacon(x)
-    G = H // H_kv
-    seen_counts = set()
-    for b in range(B):
-        window_start = candidates[b, -1].item() + 1
-        for kv in range(H_kv):
-            shares = []
-            for h in range(kv * G, (kv + 1) * G):
-                for r in range(R):
-                    readable = [s for s in range(S) if visible[b, kv, r, s]]
-                    logits = torch.tensor([(recent[b, h, r] @ context[b, kv, s]).item() / math.sqrt(D) for s in readable])
-                    weights = logits.softmax(0)
-                    shares.append(sum(w.item() for w, s in zip(weights, readable) if s < window_start))
-            n_active = round(sum(shares) / len(shares) * n_beacon)
-            seen_counts.add(n_active)
-            for c in range(7):
-                votes = [(q @ keys[b, kv, c]).item() / math.sqrt(D) for h in range(kv * G, (kv + 1) * G) for q in [*beacons[b, h, :n_active], *recent[b, h]]]
-                assert got[b, kv, c].item() == pytest.approx(max(votes), abs=1e-5)
-    assert len(seen_counts) > 1  # the quota differs between groups
-    with pytest.raises(UserError, match="--kv-adaptive-beacons masks"):
-        CompressionConfig(policy="beacon", adaptive_beacons=True, aggregation="mean")
 
 
 def test_fps_per_group_picks_the_same_steps_for_a_groups_heads_by_fps_on_them_side_by_side(tiny_checkpoint):
