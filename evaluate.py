@@ -34,6 +34,9 @@ Every policy computes exactly what the full cache computes until its first compa
 full-cache run (whose manager records queries and beacons like any policy, and never compacts)
 is snapshotted between the step and `after_step()` where a budget first compacts, and each policy
 resumes from that snapshot. tests/test_evaluate.py checks that resuming equals running from the start.
+The recorder refreshes its beacons as BeaconKV v1 does (every n_recent steps, FPS per head); a
+BeaconKV whose beacons differ before its first compaction (v2's lazy refresh, FPS per group, or
+prefix compression) runs from the start instead.
 
 --task humaneval. HumanEval problems 0-99 (the rest are held out): the model writes each
 completion itself with `engine.generation.generate` (greedy, chat template), and it passes when

@@ -61,8 +61,8 @@ class CompressionConfig:
         return longest_prompt + min(max_new_tokens, self.budget_max + self.window + 1)
 
 
-# BeaconKV's options that change only how it scores: a variant with them resumes from the same
-# full-cache snapshot as plain BeaconKV, so an ablation runs beside the baselines in one evaluation.
+# BeaconKV's options a variant may set ("beacon:heads_agree=1"), so that an ablation runs beside
+# the baselines in one evaluation.
 VARIANT_OPTIONS = ("aggregation", "top_m", "heads_agree", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail")
 
 

@@ -68,7 +68,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        L, B, H_kv, S, D = cache.k.shape
+        L, B, H_kv, _, D = cache.k.shape
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
@@ -87,7 +87,7 @@ class CompressionManager:
         self.steps = 0  # decode steps so far, each of which recorded one query (host count)
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
-        self.kept_positions = torch.zeros(L, B, cache.k.shape[2], config.budget, dtype=torch.int64, device=cache.k.device)
+        self.kept_positions = torch.zeros(L, B, H_kv, config.budget, dtype=torch.int64, device=cache.k.device)
         # Prefix compression: the prompt's last queries [L, B, H, R, D] until they have scored it, and
         # the positions [L, B, H_kv, P] its slots hold afterwards.
         self.prompt_tail: torch.Tensor | None = None
@@ -216,8 +216,8 @@ class CompressionManager:
         return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))
 
     def _refresh_beacons(self) -> None:
-        """Continual FPS: the buffer is full, so its beacons and recent queries together yield new
-        beacons."""
+        """Continual FPS: the beacons and the recent queries of the buffer together yield new
+        beacons, each time the ring fills or, with lazy_refresh, once before each compaction."""
         start = time.perf_counter()
         self.queries[:, :, :, : self.n_beacon] = self._farthest(self.queries.clone(), None)
         self._sync()

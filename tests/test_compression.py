@@ -1,10 +1,12 @@
 """BeaconKV and the baselines against brute-force references, and the cache invariants they keep."""
 
+import argparse
 import math
 
 import pytest
 import torch
 
+from cli import add_compression_args, compression_config
 from compression.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
 from compression.fps import farthest_point_sampling
@@ -226,6 +228,18 @@ def test_softer_aggregations_and_heads_that_agree_match_their_definitions(how, t
             else:
                 expected = min(combine(head) for head in votes.values()) if heads_agree >= G else sorted((combine(head) for head in votes.values()), reverse=True)[heads_agree - 1]
             assert got[0, kv, c].item() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, heads_agree, lazy_refresh",
+    [([], 2, True), (["--kv-heads-agree", "1", "--no-kv-lazy-refresh"], 1, False), (["--kv-lazy-refresh"], 2, True)],
+)
+def test_the_command_line_runs_v2_by_default_and_v1_when_asked(flags, heads_agree, lazy_refresh):
+    parser = argparse.ArgumentParser()
+    add_compression_args(parser)
+    parser.add_argument("--seed", type=int, default=0)  # generate.py's and bench.py's own
+    config = compression_config(parser.parse_args(["--kv-policy", "beacon", *flags]))
+    assert (config.heads_agree, config.lazy_refresh) == (heads_agree, lazy_refresh)
 
 
 def test_bad_compression_options_are_refused():

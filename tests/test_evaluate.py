@@ -118,7 +118,7 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
 def test_resuming_from_the_full_cache_snapshot_equals_running_from_the_start(tiny_folder, tiny_model):
     model = tiny_model
     batch = random_batch()
-    variants = ("beacon:heads_agree=1", "beacon:fps_per_group=true", "beacon:lazy_refresh=true", "beacon:prefix_budget=2:prefix_tail=2")
+    variants = ("beacon:heads_agree=1", "beacon:fps_per_group=true", "beacon:lazy_refresh=false", "beacon:prefix_budget=2:prefix_tail=2")
     config = small_config(tiny_folder, policies=("beacon", "rpc", "tova", "h2o", *variants))
     runs = {}
     run_all(model, batch, config, lambda run: runs.setdefault((run.policy, run.budget), run))
@@ -303,7 +303,7 @@ def test_beacon_variants_run_beside_the_policies_and_are_tested_against_plain_be
     """An ablation in one run: each variant is BeaconKV with its options, resumed from the same
     snapshot as every policy, and paired against plain BeaconKV in the report."""
     variant = "beacon:aggregation=topm:top_m=2"
-    others = ["beacon:heads_agree=1", "beacon:fps_per_group=true", "beacon:lazy_refresh=true"]
+    others = ["beacon:heads_agree=1", "beacon:fps_per_group=true", "beacon:lazy_refresh=false"]
     assert evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join([variant, "beacon", *others]), "--length", "330", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["config"]["policies"] == ["beacon", variant, *others]
