@@ -31,7 +31,7 @@ from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import Workload, progress
-from cli import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
+from cli import DTYPES, add_compression_args, add_quant_args, compression_config, pick_device, pick_dtype
 from errors import UserError, run_command
 from weights.download import resolve_checkpoint
 from weights.loader import read_config, stored_dtype
@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", metavar="LENGTHS", help="comma-separated prompt lengths, e.g. 128,512,1024,2048: one benchmark each, and a plot")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="where --sweep draws decode tok/s against prompt length (default bench_sweep.png)")
     p.add_argument("--seed", type=int, default=0, help="for the random KV policy")
+    add_quant_args(p)
     add_compression_args(p)
     return p.parse_args(argv)
 
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> None:
     machine = describe_machine(device)
     reports = []
     for length in lengths:
-        w = Workload(checkpoint, dtype, device, random_prompts(config.vocab_size, batch, length), new_tokens, trials, compile_step, args.ceiling, compression_config(args))
+        prompts = random_prompts(config.vocab_size, batch, length)
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), args.quant, args.group_size)
         reports.append(measure(w, config.model_type, machine, compare))
         print_report(reports[-1])
     if args.sweep is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, add_compression_args, compression_config, pick_device, pick_dtype
+from cli import DTYPES, add_compression_args, add_quant_args, compression_config, pick_device, pick_dtype
 from compression.config import CompressionConfig
 from engine.chat import Conversation
 from engine.generation import GenerationResult, Session, generate
@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start, checks it is graph-capturable)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None, help="capture the decode step as a CUDA graph and replay it (default: on with CUDA)")
+    add_quant_args(p)
     add_compression_args(p)
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> None:
     sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
     prompts = None if args.interactive else encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
-    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device)
+    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device, args.quant, args.group_size)
     torch.manual_seed(args.seed)
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     with torch.inference_mode():

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmark.memory import DecodeTraffic
 from benchmark.workload import progress
@@ -68,17 +67,17 @@ def matmul_ceiling_tok_s(model: Transformer, batch: int, steps: int = 20, warmup
     """Tokens/s if a decode step were its matrix products only (the median of `steps` timed steps)."""
     linears = [m for layer in model.layers for m in (layer.attn.wqkv, layer.attn.wo, layer.mlp.w_gate_up, layer.mlp.w_down)]
     linears.append(model.lm_head)
-    weight = model.lm_head.weight
-    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=weight.dtype, device=weight.device) for m in linears}
-    products = [(inputs[m.in_features], m.weight, m.bias) for m in linears]
+    dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype, device=device) for m in linears}
+    products = [(m, inputs[m.in_features]) for m in linears]  # each layer's own kernel: 16-bit, int8 or int4
     times = []
     with torch.inference_mode():
         for step in range(warmup + steps):
-            synchronize(weight.device)
+            synchronize(device)
             start = time.perf_counter()
-            for x, w, b in products:
-                F.linear(x, w, b)
-            synchronize(weight.device)
+            for linear, x in products:
+                linear(x)
+            synchronize(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
     return batch / statistics.median(times)

@@ -45,19 +45,19 @@ class DecodeTraffic:
 def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: int) -> DecodeTraffic:
     """The bytes read by the new_tokens - 1 decode steps that follow a prefill of prompt_len tokens."""
     config = model.config
-    itemsize = model.embed.weight.element_size()
+    itemsize = model.norm.weight.element_size()  # the activations', which the KV cache and a looked-up row share
     # The LM head is read in full even when it is the embedding table; the table as an embedding
     # is only gathered from, one row per batch row.
-    weight_bytes = (
-        sum(p.nbytes for p in model.layers.parameters())
-        + sum(p.nbytes for p in model.norm.parameters())
-        + model.lm_head.weight.nbytes
-        + batch * config.hidden_size * itemsize
-    )
+    weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
     kv_bytes_per_slot = 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
     # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)
+
+
+def stored_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a module's weights: its parameters, and the buffers quantized layers keep them in."""
+    return sum(t.nbytes for t in module.parameters()) + sum(t.nbytes for t in module.buffers())
 
 
 def memory_high_water(device: torch.device) -> int:

@@ -77,6 +77,8 @@ class Report:
                 "new_tokens": w.new_tokens,
                 "trials": w.trials,
                 "compile": w.compile,
+                "quant": w.quant,
+                "group_size": w.group_size if w.quant == "int4" else None,
                 "kv_policy": asdict(w.compression),
             },
             "traffic": {
@@ -144,6 +146,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(line) for line in lines)
 
 
+def quant_label(w: Workload) -> str:
+    """The engine's weight format, when not the checkpoint's own (the other systems always run that)."""
+    if w.quant == "none":
+        return ""
+    return f", engine weights {w.quant}" + (f" (groups of {w.group_size})" if w.quant == "int4" else "")
+
+
 def describe(r: Report) -> str:
     m, w, t = r.machine, r.workload, r.traffic
     device = m.accelerator or f"{m.cpu}, {m.cores} cores"
@@ -151,7 +160,7 @@ def describe(r: Report) -> str:
     busy = "" if m.others_busy_cores is None else f" | others' CPU at the start: {m.others_busy_cores:.2f} cores"
     return "\n".join([
         f"machine: {device} | torch {m.torch}, {m.threads} threads | read bandwidth {number(m.read_gb_per_s)} GB/s{busy}",
-        f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}"
+        f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}{quant_label(w)}"
         f"{', compiled decode step' if w.compile else ''} | batch {w.batch}, prompt {w.prompt_len}, "
         f"{w.new_tokens} new tokens | median of {w.trials} trials",
         f"bytes per decode token: {number(t.bytes_per_token / 1e6)} MB (weights {number(t.weight_bytes / 1e6)} MB per step, "

@@ -56,8 +56,9 @@ class EngineExtras:
 
 
 def load_engine(w: Workload) -> Loaded:
-    progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
-    model = load_model(w.checkpoint, w.dtype, w.device)
+    quant = "" if w.quant == "none" else f", weights {w.quant}" + (f" in groups of {w.group_size}" if w.quant == "int4" else "")
+    progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
+    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
     stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds
     ceilings: list[float] = []
 

@@ -26,6 +26,8 @@ class Workload:
     compile: bool  # the engine's decode step only
     ceiling: bool
     compression: CompressionConfig  # the engine's KV policy; transformers always keeps the full cache
+    quant: str = "none"  # the engine's weights: none, int8 or int4 (models/quantized.py)
+    group_size: int = 32
 
     @property
     def batch(self) -> int:

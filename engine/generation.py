@@ -88,11 +88,11 @@ class Session:
         compile: bool = False,
         cuda_graph: bool = False,
     ):
-        device = model.embed.weight.device
+        device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
         self.model, self.sampling, self.eos_ids = model, sampling, eos_ids
-        self.cache = KVCache.allocate(model.config, batch, n_slots, model.embed.weight.dtype, device)
+        self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
         self.manager = None
         if compression.enabled:
             self.manager = CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)

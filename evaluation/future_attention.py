@@ -43,7 +43,7 @@ class FullAttention:
 
     @classmethod
     def of(cls, model: Transformer, sequences: list[list[int]]) -> FullAttention:
-        cache = KVCache.allocate(model.config, len(sequences), max(map(len, sequences)), model.embed.weight.dtype, CPU)
+        cache = KVCache.allocate(model.config, len(sequences), max(map(len, sequences)), model.dtype, CPU)
         catcher = _QueryCatcher(model.config.n_layers)
         prefill(model, cache, sequences, compression=catcher)
         return cls(catcher.queries, cache.k.float(), model.rope_cos, model.rope_sin, cache.length.clone())

@@ -93,7 +93,7 @@ class Run:
 def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int) -> State:
     """Prefill the prompts into a fresh cache of n_slots slots, with a manager for `compression`."""
     B = len(batch.rows)
-    cache = KVCache.allocate(model.config, B, n_slots, model.embed.weight.dtype, CPU)
+    cache = KVCache.allocate(model.config, B, n_slots, model.dtype, CPU)
     manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     logits = prefill(model, cache, batch.prompts, compression=manager).float()
     predicted = torch.zeros(B, batch.length, dtype=torch.int64)

@@ -155,6 +155,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype, which the KV cache shares (the weights may be stored quantized)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(
         self,
         tokens: torch.Tensor,  # [B, T]

@@ -15,11 +15,20 @@ from safetensors import SafetensorError, safe_open
 from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
+from models.quantized import Int8Embedding, QuantizedWeight, check_quantizable, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX = "model.safetensors.index.json"
+# config.json's mark of a checkpoint saved quantized (weights/quantize.py, python -m weights.gguf --quantized):
+# each linear weight is stored as int8 values beside float32 `.scales` (and `.zeros` for int4).
+QUANTIZED_KEY = "weight_quantization"
+QUANT_SUFFIXES = (".scales", ".zeros")
+# The LM head is quantized to int8 in both modes: int4 costs Qwen2.5-Coder-0.5B's perplexity more than
+# the whole rest of the model does (README, "Quantized weights").
+LM_HEAD_MODE = "int8"
+LINEARS = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
 # What to do about a damaged file of a checkpoint.
 _FETCH_AGAIN = "download or copy it again (a folder imported from a GGUF file: delete it and import it again)"
 
@@ -39,6 +48,12 @@ def stored_dtype(checkpoint: Path) -> str | None:
     raw = json.loads((checkpoint / "config.json").read_text())
     dtype = raw.get("dtype") or raw.get("torch_dtype")
     return dtype if isinstance(dtype, str) else None
+
+
+def stored_quantized(checkpoint: Path) -> bool:
+    """Whether the checkpoint's linear weights were saved quantized."""
+    read_config(checkpoint)
+    return QUANTIZED_KEY in json.loads((checkpoint / "config.json").read_text())
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -139,6 +154,8 @@ def _data_length(header: bytes) -> int | None:
 def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
     """The file of every tensor the model takes, by HF name, after checking names and shapes."""
     expected = expected_shapes(config)
+    if stored_quantized(checkpoint):
+        expected |= _quantization_shapes(checkpoint, config, expected)
     weight_map = read_weight_map(checkpoint)
     located = {name: path for path in safetensors_files(checkpoint, weight_map) for name in _checked_names(path, config, expected, weight_map)}
     missing = [name for name in expected if name not in located]
@@ -146,6 +163,26 @@ def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"tensor {missing[0]}{more} missing from {checkpoint}; shape expected {list(expected[missing[0]])}")
     return located
+
+
+def _quantization_shapes(checkpoint: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The `.scales` and `.zeros` tensors of a quantized checkpoint with their shapes [N, groups], as
+    its files hold them (the number of groups is each tensor's own: a GGUF file mixes block types)."""
+    shapes = {}
+    for path in safetensors_files(checkpoint, read_weight_map(checkpoint)):
+        with _open_safetensors(path) as f:
+            for name in f.keys():
+                weight = name.rpartition(".")[0] + ".weight"
+                if name.endswith(QUANT_SUFFIXES) and len(expected.get(weight, ())) == 2:
+                    rows, inputs = expected[weight]
+                    groups = f.get_slice(name).get_shape()[-1]
+                    if not groups or inputs % groups:
+                        raise UserError(f"{name} in {path.name} has {groups} groups, which do not divide the {inputs} inputs of {weight}; {_FETCH_AGAIN}")
+                    shapes[name] = (rows, groups)
+    for weight, shape in expected.items():
+        if len(shape) == 2 and weight != "model.embed_tokens.weight":
+            shapes.setdefault(weight.removesuffix(".weight") + ".scales", (shape[0], 1))
+    return shapes
 
 
 def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], weight_map: dict[str, str] | None) -> list[str]:
@@ -225,37 +262,95 @@ def read_copy(located: dict[str, Path], names: list[str], shape: tuple[int, ...]
     return out
 
 
-def read_state(located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def read_state(
+    located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32
+) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Every engine tensor, a copy of its own, except an embedding table that is not the LM head:
     on CPU, in the file's dtype, that one stays a view of the memory-mapped file, so only the rows
     the model looks up become resident (as with transformers' loading). Weights read in full at
     every step gain nothing from the map, and read from the page cache's small pages they were
-    slower (docs/performance.md)."""
+    slower (docs/performance.md). With `quant` int8 or int4, or from a checkpoint saved quantized,
+    the linear weights come as QuantizedWeight."""
     expected = expected_shapes(config)
-    linears = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
+    quantized = quant != "none" or any(name.endswith(QUANT_SUFFIXES) for name in located)
     state = {}
     for name, sources in engine_sources(config).items():
         if name == "embed.weight" and config.tie_word_embeddings:
             continue  # the LM head's copy serves both (two copies would meet at the loading peak)
+        if name == "embed.weight" and quantized:
+            state[name] = _read_quantized(located, name, sources, expected[sources[0]], "int8", group_size)
+            continue
         if name == "embed.weight" and device.type == "cpu":
             with _open_safetensors(located[sources[0]]) as f:
                 if SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype()) == dtype:
                     state[name] = f.get_tensor(sources[0])  # a view: the map stays open as long as the tensor lives
                     continue
         shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
-        column_major = name.endswith(linears) and column_major_on_cpu(shape, dtype, device)
+        if quantized and name.endswith(LINEARS):
+            mode = LM_HEAD_MODE if name == "lm_head.weight" else quant
+            state[name] = _read_quantized(located, name, sources, shape, mode, group_size)
+            continue
+        column_major = name.endswith(LINEARS) and column_major_on_cpu(shape, dtype, device)
         state[name] = read_copy(located, sources, shape, dtype, device, column_major)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not quantized:
         state["embed.weight"] = state["lm_head.weight"]
     return state
 
 
-def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
+def _read_quantized(located: dict[str, Path], name: str, sources: list[str], shape: tuple[int, ...], mode: str, group_size: int) -> QuantizedWeight:
+    """The weight `name` quantized: as stored in a quantized checkpoint, or quantized now from its float values."""
+    stored = [s.removesuffix(".weight") for s in sources if s.removesuffix(".weight") + ".scales" in located]
+    if stored:
+        return concatenate([_read_stored(located, prefix) for prefix in stored])
+    check_quantizable(name, shape, mode, group_size)
+    return quantize(read_copy(located, sources, shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
+
+
+def _read_stored(located: dict[str, Path], prefix: str) -> QuantizedWeight:
+    """One linear weight of a quantized checkpoint: int8 `.weight`, float32 `.scales` and, for int4, `.zeros`."""
+    tensors = {}
+    for suffix in (".weight", *QUANT_SUFFIXES):
+        if prefix + suffix in located:
+            with _open_safetensors(located[prefix + suffix]) as f:
+                tensors[suffix] = f.get_tensor(prefix + suffix)
+    if tensors[".weight"].dtype != torch.int8:
+        raise UserError(f"{prefix}.weight is stored as {tensors['.weight'].dtype}, not int8, beside its .scales; {_FETCH_AGAIN}")
+    return QuantizedWeight(tensors[".weight"], tensors[".scales"].float(), None if ".zeros" not in tensors else tensors[".zeros"].float())
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32) -> Transformer:
+    """The model of a checkpoint folder; `quant` int8 or int4 quantizes its linear weights as they are read.
+    A checkpoint saved quantized runs as stored."""
     config = read_config(checkpoint)
-    state = read_state(locate_tensors(checkpoint, config), config, dtype, device)
+    if quant != "none" and stored_quantized(checkpoint):
+        raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
+    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size)
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
         model = Transformer(config)
+    quantized = {name: state.pop(name) for name in list(state) if isinstance(state[name], QuantizedWeight)}
+    if quantized:
+        _place_quantized(model, quantized, state, dtype, device)
     model.load_state_dict(state, assign=True, strict=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not quantized:
         model.embed.weight = model.lm_head.weight  # one tensor, in the LM head's layout
     return model.to(device).requires_grad_(False).eval()
+
+
+def _place_quantized(model: Transformer, quantized: dict[str, QuantizedWeight], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    """Put quantized layers in place of the model's linears and embedding; their buffers join `state`."""
+    layers = {}
+    for name, weight in quantized.items():
+        if name != "embed.weight":
+            path = name.removesuffix(".weight")
+            layers[path] = quantized_linear(weight, state.pop(path + ".bias", None), dtype, device)
+    head, table = layers["lm_head"], quantized.get("embed.weight")
+    if table is None and quantized["lm_head.weight"].mode == "int8":
+        layers["embed"] = Int8Embedding(head.weight, head.scales)  # tied: the LM head's own table
+    else:
+        table = table or quantized["lm_head.weight"]
+        table = table if table.mode == "int8" else quantize_int8(table.dequantize())
+        layers["embed"] = Int8Embedding(table.values.to(device), table.scales[:, 0].to(device, dtype))
+    for path, layer in layers.items():
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        state |= {f"{path}.{key}": value for key, value in layer.state_dict().items()}
