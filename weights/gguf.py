@@ -1,12 +1,17 @@
 """Import a GGUF file (llama.cpp's format) as a Hugging Face checkpoint folder.
 
-    python -m weights.gguf model.gguf OUT_DIR [--dtype float32|bfloat16|float16]
+    python -m weights.gguf model.gguf OUT_DIR [--dtype float32|bfloat16|float16] [--quantized]
 
 The folder holds what the engine (and transformers) read: config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json and generation_config.json. Quantized tensors are
 dequantized with gguf-py, so the weights are exactly the ones llama.cpp computes with (and the
 ones transformers gets from `from_pretrained(..., gguf_file=...)`). The default float32 keeps them
 exact; bfloat16 and float16 halve the folder but round every weight once more.
+
+With --quantized the folder is one only the engine reads, and runs quantized (weights/loader.py):
+Q4_0, Q4_1 and Q4_K matrices become int4 groups of 32 exactly (weights/gguf_blocks.py); every other
+matrix (Q5_0, Q6_K, Q8_0, F16...), and the embedding and LM head, becomes int8 per output channel,
+the nearest form the engine's kernels take. Norms and biases keep --dtype.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ from tqdm import tqdm
 
 from models.config import ModelConfig
 from errors import UserError, run_command
+from models.quantized import QuantizedWeight, quantize_int8
+from weights.gguf_blocks import GROUP, INT4_TYPES, int4_weight
 from weights.gguf_metadata import Metadata, open_gguf
 from weights.gguf_tokenizer import generation_config, tokenizer, tokenizer_config
-from weights.loader import expected_shapes
+from weights.loader import QUANTIZED_KEY, expected_shapes
+from weights.safetensors_writer import Entry, write_safetensors
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,9 +66,10 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def import_gguf(
-    path: str | Path, out_dir: str | Path, dtype: str = "float32", *, progress: bool = True
+    path: str | Path, out_dir: str | Path, dtype: str = "float32", *, quantized: bool = False, progress: bool = True
 ) -> Path:
-    """Convert the GGUF file at `path` into the checkpoint folder `out_dir` (which must not exist yet).
+    """Convert the GGUF file at `path` into the checkpoint folder `out_dir` (which must not exist yet);
+    `quantized`: a quantized checkpoint (the module's docstring).
 
     Everything is written into a temporary sibling folder that is renamed at the end, so an
     interrupted import leaves no half-written checkpoint behind.
@@ -77,6 +86,8 @@ def import_gguf(
         raise UserError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = _model_config(meta, reader, arch, dtype)
     plan = _tensor_plan(reader, arch, config)
+    if quantized:
+        config[QUANTIZED_KEY] = {"from": "gguf", "int4": "Q4_0, Q4_1 and Q4_K matrices, groups of 32", "int8": "other matrices, per output channel"}
     tok = tokenizer(meta)
 
     try:
@@ -91,7 +102,7 @@ def import_gguf(
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
         tok.save(str(tmp / "tokenizer.json"))
         with open(tmp / "model.safetensors", "wb") as f:
-            _write_safetensors(f, plan, DTYPES[dtype], progress)
+            _write_safetensors(f, plan, DTYPES[dtype], quantized, progress)
         os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,7 +228,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load(p: _Planned, dtype: torch.dtype) -> torch.Tensor:
+def _float_weight(p: _Planned) -> np.ndarray:
     try:
         w = dequantize(p.source.data, p.source.tensor_type)
     except NotImplementedError as e:
@@ -225,28 +236,42 @@ def _load(p: _Planned, dtype: torch.dtype) -> torch.Tensor:
     w = np.asarray(w, dtype=np.float32).reshape(p.shape)
     if not w.flags.writeable:  # F32 tensors come back as views of the read-only memory map
         w = w.copy()
-    if p.unpermute_heads:
-        w = _unpermute(w, p.unpermute_heads)
-    return torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+    return _unpermute(w, p.unpermute_heads) if p.unpermute_heads else w
 
 
-def _write_safetensors(f: BinaryIO, plan: list[_Planned], dtype: torch.dtype, progress: bool) -> None:
-    """Write the safetensors format by hand, one tensor at a time, so memory holds one tensor, not the model."""
-    st_dtype = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for p in plan:
-        size = int(np.prod(p.shape)) * itemsize
-        header[p.name] = {"dtype": st_dtype, "shape": list(p.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
-    for p in tqdm(plan, desc="importing tensors", unit="tensor", disable=not progress, file=sys.stderr):
-        f.write(_load(p, dtype).view(torch.uint8).numpy().data)
+def _stays_int4(p: _Planned, quantized: bool) -> bool:
+    """Whether the tensor is written as the int4 groups it already is (the embedding and LM head are int8 always)."""
+    return quantized and p.source.tensor_type in INT4_TYPES and ".layers." in p.name
 
+
+def _entries(p: _Planned, dtype: torch.dtype, quantized: bool) -> list[Entry]:
+    """What the tensor becomes in the file: itself in `dtype`, or, quantized, int8 values and their float32 scales (and zeros)."""
+    if not quantized or len(p.shape) != 2:
+        return [(p.name, dtype, p.shape)]
+    rows, inputs = p.shape
+    stem = p.name.removesuffix(".weight")
+    groups = inputs // GROUP if _stays_int4(p, quantized) else 1
+    entries = [(p.name, torch.int8, p.shape), (stem + ".scales", torch.float32, (rows, groups))]
+    return entries + [(stem + ".zeros", torch.float32, (rows, groups))] if groups > 1 else entries
+
+
+def _load(p: _Planned, dtype: torch.dtype, quantized: bool = False) -> list[torch.Tensor]:
+    """The tensors of _entries(p, dtype, quantized), in its order."""
+    if not quantized or len(p.shape) != 2:
+        return [torch.from_numpy(np.ascontiguousarray(_float_weight(p))).to(dtype)]
+    if _stays_int4(p, quantized):
+        weight = int4_weight(p.source.data, p.source.tensor_type, p.shape)
+        if p.unpermute_heads:  # the rows move; each row's groups stay as they are
+            weight = QuantizedWeight(*(torch.from_numpy(_unpermute(t.numpy(), p.unpermute_heads)) for t in (weight.values, weight.scales, weight.zeros)))
+        return [weight.values, weight.scales, weight.zeros]
+    weight = quantize_int8(torch.from_numpy(_float_weight(p)))
+    return [weight.values, weight.scales]
+
+
+def _write_safetensors(f: BinaryIO, plan: list[_Planned], dtype: torch.dtype, quantized: bool, progress: bool) -> None:
+    entries = [entry for p in plan for entry in _entries(p, dtype, quantized)]
+    tensors = (t for p in tqdm(plan, desc="importing tensors", unit="tensor", disable=not progress, file=sys.stderr) for t in _load(p, dtype, quantized))
+    write_safetensors(f, entries, tensors)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -258,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("gguf", type=Path, help="the .gguf file (llama, qwen2 or qwen3 architecture)")
     p.add_argument("out_dir", type=Path, help="the checkpoint folder to create; it must not exist yet")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights (float32 keeps them exact)")
+    p.add_argument("--quantized", action="store_true", help="a quantized checkpoint for the engine: 4-bit blocks as int4, other matrices int8")
     args = p.parse_args(argv)
-    return run_command(lambda: print(import_gguf(args.gguf, args.out_dir, args.dtype)))
+    return run_command(lambda: print(import_gguf(args.gguf, args.out_dir, args.dtype, quantized=args.quantized)))
 
 
 if __name__ == "__main__":

