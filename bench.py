@@ -1,13 +1,17 @@
 """Decode speed of the engine, side by side with transformers: same checkpoint, dtype, batch and prompt.
 
     python bench.py [--checkpoint DIR] [--dtype bfloat16] [--prompt-len 128] [--new-tokens 128]
-                    [--ceiling] [--json OUT.json]
+                    [--quant none|int8|int4] [--ceiling] [--json OUT.json]
     python bench.py --sweep 128,512,1024,2048 [--plot bench_sweep.png]
+    python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
 No EOS stops a run: every run makes exactly --new-tokens tokens per row. Each system (the engine,
 transformers, transformers with its static cache) runs in a process of its own; they take their
 trials in turn, and each figure is the median over --trials runs that follow one warm-up run.
+
+With --compare llama.cpp the other system is llama.cpp (llama-cpp-python) on the GGUF file the
+checkpoint came from, batch 1; the default model's file is found by itself.
 
 Reported per system: decode tok/s and ms/token, time to first token, prefill tok/s, achieved
 GB/s and its share of the machine's bandwidth roofline (and, with --ceiling, of the decode
@@ -28,7 +32,7 @@ import torch
 from benchmark.machine import Machine, bandwidth_roofline, describe_machine
 from benchmark.report import Report, figures, print_report
 from benchmark.sweep import plot_sweep, print_sweep
-from benchmark.systems import load_engine, load_transformers
+from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import Workload, progress
 from cli import DTYPES, add_compression_args, add_quant_args, compression_config, pick_device, pick_dtype
@@ -53,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the engine's decode step; the warm-up run compiles it (default: on CPU, where it removes much of "
         "the per-op overhead; off on CUDA, where the CUDA graph removes it)",
     )
-    p.add_argument("--compare", choices=["transformers", "none"], help="also measure transformers (default: when it is installed)")
+    p.add_argument("--compare", choices=["transformers", "llama.cpp", "none"], help="also measure transformers (default: when it is installed) or llama.cpp")
+    p.add_argument("--gguf", type=Path, help="--compare llama.cpp: the GGUF file it runs (default: the bundled SmolLM2's, with the default checkpoint)")
     p.add_argument("--ceiling", action="store_true", help="also time the bare matrix products of a decode step, for the table's bare-matmul ceiling share (%%)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write every figure to this JSON file")
     p.add_argument("--sweep", metavar="LENGTHS", help="comma-separated prompt lengths, e.g. 128,512,1024,2048: one benchmark each, and a plot")
@@ -88,11 +93,38 @@ def prompt_lengths(args: argparse.Namespace) -> list[int]:
     return lengths
 
 
-def wants_transformers(choice: str | None) -> bool:
+def compared_system(args: argparse.Namespace, batch: int) -> str:
+    """What the engine is compared with: transformers, llama.cpp or none."""
+    if args.compare != "llama.cpp" and args.gguf is not None:
+        raise UserError("--gguf is the file of --compare llama.cpp; add --compare llama.cpp or drop --gguf")
+    if args.compare == "llama.cpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise UserError(
+                "--compare llama.cpp needs llama-cpp-python, which is not installed: "
+                'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python (it compiles llama.cpp, minutes), or --compare none'
+            )
+        if batch != 1:
+            raise UserError("--compare llama.cpp measures batch 1 only; drop --batch")
+        return "llama.cpp"
     installed = importlib.util.find_spec("transformers") is not None
-    if choice == "transformers" and not installed:
+    if args.compare == "transformers" and not installed:
         raise UserError("--compare transformers needs transformers, which is not installed: pip install transformers (or --compare none)")
-    return installed if choice is None else choice == "transformers"
+    return ("transformers" if installed else "none") if args.compare is None else args.compare
+
+
+def gguf_file(args: argparse.Namespace) -> Path | None:
+    """The GGUF file llama.cpp runs: --gguf, or the bundled SmolLM2's when the checkpoint is the default."""
+    if args.compare != "llama.cpp":
+        return None
+    if args.gguf is None and args.checkpoint is not None:
+        raise UserError("--compare llama.cpp runs a GGUF file: pass it with --gguf (python -m weights.packaged smollm2|qwen-coder --gguf prints the packaged ones)")
+    if args.gguf is None:
+        from weights.packaged import smollm2_gguf
+
+        return smollm2_gguf()
+    if not args.gguf.is_file():
+        raise UserError(f"--gguf {args.gguf}: no such file")
+    return args.gguf
 
 
 def random_prompts(vocab_size: int, batch: int, length: int) -> list[list[int]]:
@@ -106,12 +138,14 @@ def default_checkpoint() -> Path:
     return smollm2_checkpoint()
 
 
-def measure(w: Workload, model_type: str, machine: Machine, compare: bool) -> Report:
+def measure(w: Workload, model_type: str, machine: Machine, compare: str) -> Report:
     """One benchmark point: every system on one workload."""
     systems: dict[str, System] = {"engine": (load_engine, ())}
-    if compare:
+    if compare == "transformers":
         systems["transformers"] = (load_transformers, (False,))
         systems["transformers_static"] = (load_transformers, (True,))
+    if compare == "llama.cpp":
+        systems["llama.cpp"] = (load_llama_cpp, ())
     runs = timed_in_turn(w, systems)
     _, engine = runs["engine"]
     roofline = bandwidth_roofline(machine, engine.traffic)
@@ -129,13 +163,14 @@ def run(args: argparse.Namespace) -> None:
     trials = positive("--trials", args.trials)
     new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
     lengths = prompt_lengths(args)
-    compare = wants_transformers(args.compare)
+    compare = compared_system(args, batch)
     plot = args.plot or Path("bench_sweep.png")
     for out in (args.json, plot):
         if out is not None and not out.parent.is_dir():
             raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
     device = pick_device(args.device)
     checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    gguf = gguf_file(args)
     config = read_config(checkpoint)
     dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
     if lengths[-1] + new_tokens > config.max_position_embeddings:
@@ -149,7 +184,7 @@ def run(args: argparse.Namespace) -> None:
     reports = []
     for length in lengths:
         prompts = random_prompts(config.vocab_size, batch, length)
-        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), args.quant, args.group_size)
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), args.quant, args.group_size, gguf)
         reports.append(measure(w, config.model_type, machine, compare))
         print_report(reports[-1])
     if args.sweep is not None:

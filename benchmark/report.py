@@ -79,6 +79,7 @@ class Report:
                 "compile": w.compile,
                 "quant": w.quant,
                 "group_size": w.group_size if w.quant == "int4" else None,
+                "gguf": None if w.gguf is None else str(w.gguf),
                 "kv_policy": asdict(w.compression),
             },
             "traffic": {
@@ -148,9 +149,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def quant_label(w: Workload) -> str:
     """The engine's weight format, when not the checkpoint's own (the other systems always run that)."""
-    if w.quant == "none":
-        return ""
-    return f", engine weights {w.quant}" + (f" (groups of {w.group_size})" if w.quant == "int4" else "")
+    label = "" if w.quant == "none" else f", engine weights {w.quant}" + (f" (groups of {w.group_size})" if w.quant == "int4" else "")
+    return label + ("" if w.gguf is None else f", llama.cpp on {w.gguf.name}")
 
 
 def describe(r: Report) -> str:

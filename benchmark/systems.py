@@ -9,6 +9,9 @@ does one warm-up run and returns a Loaded whose measure() times one trial.
   generate reports no split of its time, so TTFT is the time of a generate with
   max_new_tokens=1, and decode tok/s = (N - 1) * batch / (t_N - t_1), where t_N is a generate
   with max_new_tokens=N.
+- llama.cpp: llama-cpp-python on a GGUF file, batch 1, as many threads as torch uses. Its own
+  eval, one token at a time, greedy by argmax of the logits (no sampler chain): TTFT is the
+  prompt's eval and the first argmax, decode tok/s the N - 1 evals that follow.
 """
 
 import statistics
@@ -118,5 +121,37 @@ def load_transformers(w: Workload, static: bool) -> Loaded:
         return Trial(t_1, (w.new_tokens - 1) * w.batch / (t_n - t_1), kv_bytes)
 
     progress(f"{name}: warm-up run")
+    measure()
+    return Loaded(measure, lambda: None)
+
+
+def load_llama_cpp(w: Workload) -> Loaded:
+    import numpy as np
+    from llama_cpp import Llama  # only the llama.cpp process imports it
+
+    from weights.loader import read_config
+
+    threads = torch.get_num_threads()
+    progress(f"llama.cpp: loading {w.gguf} with {threads} threads")
+    n_ctx = w.prompt_len + w.new_tokens
+    llm = Llama(model_path=str(w.gguf), n_ctx=n_ctx, n_batch=w.prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False)
+    config = read_config(w.checkpoint)
+    kv_bytes = 2 * config.n_layers * config.n_kv_heads * config.head_dim * n_ctx * 2  # K and V, float16, every slot
+
+    def next_token() -> int:
+        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+    def measure() -> Trial:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(w.prompts[0])
+        token = next_token()
+        first = time.perf_counter()
+        for _ in range(w.new_tokens - 1):
+            llm.eval([token])
+            token = next_token()
+        return Trial(first - start, (w.new_tokens - 1) / (time.perf_counter() - first), kv_bytes)
+
+    progress("llama.cpp: warm-up run")
     measure()
     return Loaded(measure, lambda: None)

@@ -28,6 +28,7 @@ class Workload:
     compression: CompressionConfig  # the engine's KV policy; transformers always keeps the full cache
     quant: str = "none"  # the engine's weights: none, int8 or int4 (models/quantized.py)
     group_size: int = 32
+    gguf: Path | None = None  # the file llama.cpp runs
 
     @property
     def batch(self) -> int:

@@ -1,0 +1,110 @@
+"""Perplexity of a text under the engine's model, in any weight format, and under llama.cpp.
+
+    python -m evaluation.perplexity --checkpoint DIR --text FILE [--text FILE ...]
+        [--dtype bfloat16] [--quant none|int8|int4] [--group-size 32] [--gguf FILE.gguf]
+        [--tokens 4096] [--window 512]
+
+Each text is tokenized once by the checkpoint's tokenizer and its first --tokens tokens cut into
+windows of --window. Every window is one prefill that starts from an empty cache; each of its
+tokens after the first is predicted from those before it in the window. The perplexity is
+exp(mean negative log-likelihood) over all of them. With --gguf, llama.cpp (llama-cpp-python)
+scores the very same token ids in the same windows, so the two figures compare the weights alone.
+"""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cli import DTYPES, add_quant_args, pick_dtype
+from engine.kv_cache import KVCache
+from errors import UserError, run_command
+from models.transformer import Transformer
+from weights.download import resolve_checkpoint
+from weights.loader import load_model, stored_dtype
+from weights.tokenizer import Tokenizer
+
+CPU = torch.device("cpu")
+
+
+def windows(tokens: list[int], size: int) -> list[list[int]]:
+    """Consecutive windows of `size` tokens; a last one shorter than two tokens predicts nothing and is dropped."""
+    return [tokens[i : i + size] for i in range(0, len(tokens), size) if len(tokens[i : i + size]) > 1]
+
+
+def engine_nll(model: Transformer, window: list[int]) -> list[float]:
+    """The negative log-likelihood of each token of the window after the first, given those before it."""
+    T = len(window)
+    cache = KVCache.allocate(model.config, 1, T, model.dtype, CPU)
+    tokens = torch.tensor([window])
+    positions = torch.arange(T)[None]  # [1, T]
+    with torch.inference_mode():
+        logits = model(tokens, positions, cache.k, cache.v, positions, mask=None)  # [1, T, V]
+    logprobs = F.log_softmax(logits[0, :-1].float(), dim=-1)  # [T-1, V]
+    return (-logprobs.gather(1, tokens[0, 1:, None]))[:, 0].tolist()
+
+
+def llama_cpp_nll(gguf: Path, window_size: int):
+    """A scorer like engine_nll, run by llama.cpp on the GGUF file."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(gguf), n_ctx=window_size, n_batch=window_size, n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+
+    def score(window: list[int]) -> list[float]:
+        llm.reset()
+        llm.eval(window)
+        logits = torch.from_numpy(np.asarray(llm.scores[: len(window) - 1], dtype=np.float32))  # [T-1, V]
+        logprobs = F.log_softmax(logits, dim=-1)
+        return (-logprobs.gather(1, torch.tensor(window[1:])[:, None]))[:, 0].tolist()
+
+    return score
+
+
+def perplexity(score, token_windows: list[list[int]]) -> float:
+    nll = [value for window in token_windows for value in score(window)]
+    return math.exp(sum(nll) / len(nll))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m evaluation.perplexity", description="Perplexity of texts under the engine (and llama.cpp).")
+    p.add_argument("--checkpoint", required=True, help="model folder (its tokenizer tokenizes the texts)")
+    p.add_argument("--text", type=Path, action="append", required=True, help="a UTF-8 text file (repeatable)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--tokens", type=int, default=4096, help="the first this many tokens of each text")
+    p.add_argument("--window", type=int, default=512, help="tokens per prefill; each starts from an empty cache")
+    p.add_argument("--gguf", type=Path, help="also score the texts with llama.cpp on this GGUF file")
+    add_quant_args(p)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.tokens < 2 or args.window < 2:
+        raise UserError("--tokens and --window must each be at least 2")
+    for path in [*args.text, *([args.gguf] if args.gguf else [])]:
+        if not path.is_file():
+            raise UserError(f"{path}: no such file")
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    texts = {path: windows(tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[: args.tokens], args.window) for path in args.text}
+    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), CPU), CPU, args.quant, args.group_size)
+    scorers = {f"engine ({args.quant if args.quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')})": lambda w: engine_nll(model, w)}
+    if args.gguf is not None:
+        scorers[f"llama.cpp ({args.gguf.name})"] = llama_cpp_nll(args.gguf, args.window)
+    for path, token_windows in texts.items():
+        n = sum(len(w) - 1 for w in token_windows)
+        for name, score in scorers.items():
+            print(f"{path.name}: {n} predicted tokens | {name}: perplexity {perplexity(score, token_windows):.4f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
