@@ -13,7 +13,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantized weights (weight-only; activations stay in --dtype)")
-    g.add_argument("--quant", choices=QUANT_MODES, default="none", help="int8: per output channel; int4: per group of --group-size inputs. The LM head goes int8 in both; embedding and norms stay in --dtype")
+    g.add_argument("--quant", choices=QUANT_MODES, default="none", help="int8: per output channel; int4: per group of --group-size inputs. the embedding and LM head go int8 in both; norms and biases stay in --dtype")
     g.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32, help="--quant int4: inputs that share one scale and zero")
 
 

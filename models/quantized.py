@@ -81,15 +81,16 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
     return QuantizedWeight(values.to(torch.int8).view(N, K), scales, zeros=low + 8 * scales)
 
 
-def check_quantizable(name: str, shape: tuple[int, ...], mode: str, group_size: int) -> None:
-    """One clear error when the kernels cannot take a weight of this shape."""
-    N, K = shape
-    if mode == "int4" and K % group_size:
-        fits = [g for g in GROUP_SIZES if K % g == 0]
-        hint = f"use --group-size {fits[-1]}" if fits else "use --quant int8"
-        raise UserError(f"--quant int4 --group-size {group_size}: {name} has {K} inputs, not a multiple of {group_size}; {hint}")
-    if mode == "int4" and N % INT4_ROWS_MULTIPLE:
-        raise UserError(f"--quant int4: {name} has {N} outputs, torch's int4 kernel takes multiples of {INT4_ROWS_MULTIPLE}; use --quant int8")
+def check_int4_fits(shapes: dict[str, tuple[int, int]], group_size: int) -> None:
+    """One clear error when torch's int4 kernels cannot take every weight [N, K] of `shapes` (by name)
+    in groups of `group_size`; its hint names a group size that fits them all."""
+    for name, (N, K) in shapes.items():
+        if K % group_size:
+            fits = [g for g in GROUP_SIZES if all(k % g == 0 for _, k in shapes.values())]
+            hint = f"use --group-size {fits[-1]}" if fits else "use --quant int8"
+            raise UserError(f"--quant int4 --group-size {group_size}: {name} has {K} inputs, not a multiple of {group_size}; {hint}")
+        if N % INT4_ROWS_MULTIPLE:
+            raise UserError(f"--quant int4: {name} has {N} outputs, torch's int4 kernel takes multiples of {INT4_ROWS_MULTIPLE}; use --quant int8")
 
 
 class Int8Linear(nn.Module):

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
-from models.quantized import Int8Embedding, QuantizedWeight, check_quantizable, concatenate, quantize, quantize_int8, quantized_linear
+from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
@@ -273,6 +273,8 @@ def read_state(
     the linear weights come as QuantizedWeight."""
     expected = expected_shapes(config)
     quantized = quant != "none" or any(name.endswith(QUANT_SUFFIXES) for name in located)
+    if quant == "int4":
+        check_int4_fits(linear_shapes(config), group_size)
     state = {}
     for name, sources in engine_sources(config).items():
         if name == "embed.weight" and config.tie_word_embeddings:
@@ -297,12 +299,21 @@ def read_state(
     return state
 
 
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The [N, K] of the first layer's linear weights (every layer's are the same), by engine name."""
+    expected = expected_shapes(config)
+    return {
+        name: (sum(expected[s][0] for s in sources), expected[sources[0]][1])
+        for name, sources in engine_sources(config).items()
+        if name.startswith("layers.0.") and name.endswith(LINEARS)
+    }
+
+
 def _read_quantized(located: dict[str, Path], name: str, sources: list[str], shape: tuple[int, ...], mode: str, group_size: int) -> QuantizedWeight:
     """The weight `name` quantized: as stored in a quantized checkpoint, or quantized now from its float values."""
     stored = [s.removesuffix(".weight") for s in sources if s.removesuffix(".weight") + ".scales" in located]
     if stored:
         return concatenate([_read_stored(located, prefix) for prefix in stored])
-    check_quantizable(name, shape, mode, group_size)
     return quantize(read_copy(located, sources, shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
 
 

@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 
 from errors import UserError, run_command
-from models.quantized import GROUP_SIZES, check_quantizable, quantize
-from weights.loader import LM_HEAD_MODE, QUANTIZED_KEY, SAFETENSORS_DTYPES, locate_tensors, read_config, stored_quantized
+from models.quantized import GROUP_SIZES, check_int4_fits, quantize
+from weights.loader import LM_HEAD_MODE, QUANTIZED_KEY, SAFETENSORS_DTYPES, linear_shapes, locate_tensors, read_config, stored_quantized
 from weights.safetensors_writer import Entry, write_safetensors
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -38,7 +38,6 @@ def _entries_and_tensors(located: dict[str, Path], mode: str, group_size: int) -
             makers.append(lambda name=name, path=path: [_read(path, name)])
             continue
         weight_mode = LM_HEAD_MODE if name in ("lm_head.weight", "model.embed_tokens.weight") else mode
-        check_quantizable(name, shape, weight_mode, group_size)
         stem, groups = name.removesuffix(".weight"), 1 if weight_mode == "int8" else shape[1] // group_size
         entries += [(name, torch.int8, shape), (stem + ".scales", torch.float32, (shape[0], groups))]
         if weight_mode == "int4":
@@ -63,6 +62,8 @@ def save_quantized(checkpoint: Path, out_dir: Path, mode: str, group_size: int =
         raise UserError(f"{checkpoint} is already quantized")
     if out_dir.exists():
         raise UserError(f"{out_dir} already exists; remove it or choose another output folder")
+    if mode == "int4":
+        check_int4_fits(linear_shapes(config), group_size)
     entries, makers = _entries_and_tensors(locate_tensors(checkpoint, config), mode, group_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
