@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmark.machine import Machine, bandwidth_roofline, describe_machine
+from benchmark.memory import gguf_traffic
 from benchmark.report import Report, figures, print_report
 from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
@@ -148,8 +149,12 @@ def measure(w: Workload, model_type: str, machine: Machine, compare: str) -> Rep
         systems["llama.cpp"] = (load_llama_cpp, ())
     runs = timed_in_turn(w, systems)
     _, engine = runs["engine"]
-    roofline = bandwidth_roofline(machine, engine.traffic)
-    figures_by_system = {name: figures(run, w, engine.traffic, roofline, engine.matmul_ceiling_tok_s) for name, (run, _) in runs.items()}
+    figures_by_system = {}
+    for name, (run, _) in runs.items():
+        # llama.cpp reads its GGUF file's weights, not the engine's; its figures use its own bytes.
+        traffic = gguf_traffic(w.gguf, engine.traffic) if name == "llama.cpp" else engine.traffic
+        matmul = engine.matmul_ceiling_tok_s if name != "llama.cpp" else None
+        figures_by_system[name] = figures(run, w, traffic, bandwidth_roofline(machine, traffic), matmul)
     return Report(w, model_type, machine, engine.traffic, engine.matmul_ceiling_tok_s, figures_by_system, engine.compression)
 
 

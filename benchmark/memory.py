@@ -55,6 +55,19 @@ def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: 
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)
 
 
+def gguf_traffic(gguf: Path, engine: DecodeTraffic) -> DecodeTraffic:
+    """The engine's traffic with llama.cpp's weights: every tensor of the GGUF file once per step,
+    except an embedding table that is not also the LM head (one row per batch row is gathered from
+    it). Its KV cache is float16, as large as a 16-bit engine's."""
+    from gguf import GGUFReader  # only a llama.cpp comparison reads the file
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    weight_bytes = sum(tensors.values())
+    if "output.weight" in tensors:
+        weight_bytes -= tensors["token_embd.weight"]
+    return DecodeTraffic(engine.batch, weight_bytes, engine.kv_bytes_per_slot, engine.mean_slots)
+
+
 def stored_bytes(module: torch.nn.Module) -> int:
     """The bytes of a module's weights: its parameters, and the buffers quantized layers keep them in."""
     return sum(t.nbytes for t in module.parameters()) + sum(t.nbytes for t in module.buffers())

@@ -134,7 +134,8 @@ def load_llama_cpp(w: Workload) -> Loaded:
     threads = torch.get_num_threads()
     progress(f"llama.cpp: loading {w.gguf} with {threads} threads")
     n_ctx = w.prompt_len + w.new_tokens
-    llm = Llama(model_path=str(w.gguf), n_ctx=n_ctx, n_batch=w.prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False)
+    # n_batch = n_ctx: llama-cpp-python keeps n_batch rows of logits, indexed by position.
+    llm = Llama(model_path=str(w.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     config = read_config(w.checkpoint)
     kv_bytes = 2 * config.n_layers * config.n_kv_heads * config.head_dim * n_ctx * 2  # K and V, float16, every slot
 

@@ -239,3 +239,66 @@ def test_others_cpu_never_exceeds_the_cores_there_are():
     assert CpuClock.others_between(before, after) == cores
     idle = CpuClock(busy_s=100.0, elapsed_s=51.0, own_s=1.5)
     assert CpuClock.others_between(before, idle) == 0.0
+
+
+def test_int4_traffic_counts_the_bytes_the_quantized_layers_keep(tiny_checkpoint, tmp_path):
+    """--quant int4: the weight bytes per step are the packed 4-bit values (K/2 bytes a row), a scale and
+    a zero per group in the activation dtype, and the int8 LM head with its scales, counted by hand."""
+    folder, hf_model = tiny_checkpoint("llama")
+    c = hf_model.config
+    out = tmp_path / "int4.json"
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--batch", "1", "--prompt-len", "8", "--new-tokens", "3", "--trials", "1"]
+    argv += ["--compare", "none", "--no-compile", "--quant", "int4", "--group-size", "32", "--json", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    C, I, D = c.hidden_size, c.intermediate_size, c.hidden_size // c.num_attention_heads
+    matrices = [((c.num_attention_heads + 2 * c.num_key_value_heads) * D, C), (C, c.num_attention_heads * D), (2 * I, C), (C, I)]  # [N, K]
+    per_layer = sum(N * K // 2 + (K // 32) * N * 2 * 4 for N, K in matrices) + 2 * C * 4  # int4, float32 scales and zeros, two norms
+    lm_head = c.vocab_size * C + c.vocab_size * 4  # int8 values, one float32 scale a row
+    assert data["traffic"]["weight_bytes_per_step"] == c.num_hidden_layers * per_layer + C * 4 + lm_head + C * 4  # + final norm, one embedding row
+    assert data["config"]["quant"] == "int4" and data["config"]["group_size"] == 32
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gguf", "model.gguf"], "add --compare llama.cpp or drop --gguf"),
+        (["--compare", "llama.cpp"], "pass it with --gguf"),
+        (["--compare", "llama.cpp", "--gguf", "nowhere.gguf"], "nowhere.gguf: no such file"),
+        (["--compare", "llama.cpp", "--batch", "2"], "batch 1 only"),
+    ],
+)
+def test_a_llama_cpp_comparison_needs_its_file(tiny_checkpoint, capsys, monkeypatch, argv, message):
+    folder, _ = tiny_checkpoint("llama")
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object() if name == "llama_cpp" else find_spec(name))
+    assert bench.main(["--checkpoint", str(folder), *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last
+
+
+def test_a_llama_cpp_comparison_without_llama_cpp_says_how_to_get_it(tiny_checkpoint, capsys, monkeypatch):
+    folder, _ = tiny_checkpoint("llama")
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else find_spec(name))
+    assert bench.main(["--checkpoint", str(folder), "--compare", "llama.cpp", "--gguf", str(folder / "config.json")]) == 2
+    assert "pip install llama-cpp-python" in capsys.readouterr().err
+
+
+def test_llama_cpp_traffic_is_its_files_tensors(tiny_checkpoint, tmp_path):
+    """Every tensor of the GGUF file once per step, the embedding table left out when the file has an
+    LM head of its own; the KV part is the engine's."""
+    from gguf import GGUFReader
+
+    from benchmark.memory import DecodeTraffic, gguf_traffic
+    from test_gguf import write_gguf
+
+    path = tmp_path / "llama.gguf"
+    write_gguf(path, tiny_checkpoint("llama")[1], "llama")  # untied: output.weight beside token_embd.weight
+    sizes = {t.name: t.data.nbytes for t in GGUFReader(path).tensors}
+    assert "output.weight" in sizes
+    engine = DecodeTraffic(batch=1, weight_bytes=1, kv_bytes_per_slot=10, mean_slots=3.5)
+    traffic = gguf_traffic(path, engine)
+    assert traffic.weight_bytes == sum(sizes.values()) - sizes["token_embd.weight"]
+    assert (traffic.batch, traffic.kv_bytes_per_slot, traffic.mean_slots) == (1, 10, 3.5)

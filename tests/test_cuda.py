@@ -62,3 +62,25 @@ def test_flash_decode_equals_sdpa(tiny_checkpoint, monkeypatch):
     monkeypatch.setattr(models.flash_attention, "flash_attn_with_kvcache", None)
     with_sdpa = decode_logits()
     assert (with_flash - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_linear_on_cuda_equals_the_dequantized_product(mode):
+    from models.quantized import quantize, quantized_linear
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 256, generator=g), torch.randn(3, 256, generator=g)
+    quantized = quantize(weight, mode, 64)
+    layer = quantized_linear(quantized, None, torch.bfloat16, CUDA)
+    expected = x @ quantized.dequantize().t()  # [3, 64] in float32
+    got = layer(x.to(CUDA, torch.bfloat16)).float().cpu()
+    assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_graph_replay_of_a_quantized_model_equals_eager(mode, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.bfloat16, CUDA, quant=mode)
+    prompts = prompts_of([6, 21])
+    eager = generate(model, prompts, 30, eos_ids=frozenset()).tokens
+    graphed = generate(model, prompts, 30, eos_ids=frozenset(), cuda_graph=True).tokens
+    assert graphed == eager

@@ -10,7 +10,8 @@ kernels compute (models/quantized.py), each is an int4 group of 32:
   (super-blocks of 256: eight groups of 32, each with a 6-bit sc and mn, packed in 12 bytes)
 
 The layouts follow ggml's block structs (ggml-common.h); the tests check every type against the
-`gguf` package's own dequantizer. Any other type has no exact int4 form (QUANTIZED_CHECKPOINT below).
+`gguf` package's own dequantizer. Any other type has no exact int4 form: weights/gguf.py
+--quantized makes it int8 per output channel.
 """
 
 import numpy as np
