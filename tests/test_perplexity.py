@@ -38,18 +38,19 @@ def test_engine_nll_is_transformers_loss(kind, tiny_checkpoint):
 def test_engine_and_llama_cpp_agree_on_the_same_gguf_weights():
     """SmolLM2's Q4_1 file: the engine in float32 computes with exactly the dequantized weights, and the
     quantized import with the same int4 values; llama.cpp rounds its activations to 8 bits inside its dot
-    products, so the perplexities agree to within 1%, not exactly (measured: 0.2%)."""
+    products, so the perplexities agree to within 2%, not exactly (measured here: 0.6% for the float32
+    import, 0.5% for the quantized one; 0.2% on the README's 4096 tokens of prose)."""
     from weights.packaged import smollm2_checkpoint, smollm2_gguf
     from weights.tokenizer import Tokenizer
 
     checkpoint = smollm2_checkpoint()
-    text = "The quick brown fox jumps over the lazy dog. " * 4 + open(torch.__file__).read()[:3000]
-    tokens = Tokenizer.from_dir(checkpoint).encode(text, add_special_tokens=False)[:512]
-    token_windows = windows(tokens, 256)
+    text = open(torch.__file__).read()
+    tokens = Tokenizer.from_dir(checkpoint).encode(text, add_special_tokens=False)[:2048]
+    token_windows = windows(tokens, 512)
     exact = load_model(checkpoint, torch.float32, CPU)
     int4 = load_model(smollm2_checkpoint(quantized=True), torch.bfloat16, CPU)
     engine = perplexity(lambda w: engine_nll(exact, w), token_windows)
     quantized = perplexity(lambda w: engine_nll(int4, w), token_windows)
-    llama_cpp = perplexity(llama_cpp_nll(smollm2_gguf(), 256), token_windows)
-    assert engine == pytest.approx(llama_cpp, rel=0.01)
+    llama_cpp = perplexity(llama_cpp_nll(smollm2_gguf(), 512), token_windows)
+    assert engine == pytest.approx(llama_cpp, rel=0.02)
     assert quantized == pytest.approx(llama_cpp, rel=0.02)
