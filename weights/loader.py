@@ -157,7 +157,7 @@ def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
     """The file of every tensor the model takes, by HF name, after checking names and shapes."""
     expected = expected_shapes(config)
     if stored_quantized(checkpoint):
-        expected |= _quantization_shapes(checkpoint, config, expected)
+        expected |= _quantization_shapes(checkpoint, expected)
     weight_map = read_weight_map(checkpoint)
     located = {name: path for path in safetensors_files(checkpoint, weight_map) for name in _checked_names(path, config, expected, weight_map)}
     missing = [name for name in expected if name not in located]
@@ -167,7 +167,7 @@ def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
     return located
 
 
-def _quantization_shapes(checkpoint: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def _quantization_shapes(checkpoint: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The `.scales` and `.zeros` tensors of a quantized checkpoint with their shapes [N, groups], as
     its files hold them (the number of groups is each tensor's own: a GGUF file mixes block types)."""
     shapes = {}
@@ -343,7 +343,7 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device, quant
     quantized = {name: state.pop(name) for name in list(state) if isinstance(state[name], QuantizedWeight)}
     if quantized:
         _place_quantized(model, quantized, state, dtype, device)
-        del quantized
+        del quantized  # the portable copies too, before the memory goes back
         _return_freed_memory()
     model.load_state_dict(state, assign=True, strict=True)
     if isinstance(model.lm_head, nn.Linear) and config.tie_word_embeddings:
@@ -372,7 +372,7 @@ def _place_quantized(model: Transformer, quantized: dict[str, QuantizedWeight], 
     if table is None and quantized["lm_head.weight"].mode == "int8":
         layers["embed"] = Int8Embedding(head.weight, head.scales)  # tied: the LM head's own table
     else:
-        table = table or quantized["lm_head.weight"]
+        table = quantized["lm_head.weight"] if table is None else table
         table = table if table.mode == "int8" else quantize_int8(table.dequantize())
         layers["embed"] = Int8Embedding(table.values.to(device), table.scales[:, 0].to(device, dtype))
     for path, layer in layers.items():
