@@ -147,9 +147,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(line) for line in lines)
 
 
-def quant_label(w: Workload) -> str:
-    """The engine's weight format, when not the checkpoint's own (the other systems always run that)."""
-    label = "" if w.quant == "none" else f", engine weights {w.quant}" + (f" (groups of {w.group_size})" if w.quant == "int4" else "")
+def other_weights(w: Workload) -> str:
+    """The engine's weight format when not the checkpoint's own (the other systems always run that), and llama.cpp's file."""
+    label = f", engine weights {w.quant_label}" if w.quant_label else ""
     return label + ("" if w.gguf is None else f", llama.cpp on {w.gguf.name}")
 
 
@@ -160,7 +160,7 @@ def describe(r: Report) -> str:
     busy = "" if m.others_busy_cores is None else f" | others' CPU at the start: {m.others_busy_cores:.2f} cores"
     return "\n".join([
         f"machine: {device} | torch {m.torch}, {m.threads} threads | read bandwidth {number(m.read_gb_per_s)} GB/s{busy}",
-        f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}{quant_label(w)}"
+        f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}{other_weights(w)}"
         f"{', compiled decode step' if w.compile else ''} | batch {w.batch}, prompt {w.prompt_len}, "
         f"{w.new_tokens} new tokens | median of {w.trials} trials",
         f"bytes per decode token: {number(t.bytes_per_token / 1e6)} MB (weights {number(t.weight_bytes / 1e6)} MB per step, "

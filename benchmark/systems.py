@@ -59,7 +59,7 @@ class EngineExtras:
 
 
 def load_engine(w: Workload) -> Loaded:
-    quant = "" if w.quant == "none" else f", weights {w.quant}" + (f" in groups of {w.group_size}" if w.quant == "int4" else "")
+    quant = f", weights {w.quant_label}" if w.quant_label else ""
     progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
     model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
     stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds

@@ -35,6 +35,11 @@ class Workload:
         return len(self.prompts)
 
     @property
+    def quant_label(self) -> str:
+        """The engine's weight format, e.g. "int4 in groups of 32"; empty for the checkpoint's own."""
+        return "" if self.quant == "none" else self.quant + (f" in groups of {self.group_size}" if self.quant == "int4" else "")
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompts[0])
 

@@ -14,12 +14,14 @@ scores the very same token ids in the same windows, so the two figures compare t
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from cli import DTYPES, add_quant_args, pick_dtype
+from engine.decode import prefill
 from engine.kv_cache import KVCache
 from errors import UserError, run_command
 from models.transformer import Transformer
@@ -35,19 +37,21 @@ def windows(tokens: list[int], size: int) -> list[list[int]]:
     return [tokens[i : i + size] for i in range(0, len(tokens), size) if len(tokens[i : i + size]) > 1]
 
 
+def nll_of(logits: torch.Tensor, window: list[int]) -> list[float]:
+    """The negative log-likelihood of each token of the window after the first, from the logits
+    [T, V] at every position of the window (the last position's predict nothing here)."""
+    logprobs = F.log_softmax(logits[:-1].float(), dim=-1)  # [T-1, V]
+    return (-logprobs.gather(1, torch.tensor(window[1:])[:, None]))[:, 0].tolist()
+
+
 def engine_nll(model: Transformer, window: list[int]) -> list[float]:
-    """The negative log-likelihood of each token of the window after the first, given those before it."""
-    T = len(window)
-    cache = KVCache.allocate(model.config, 1, T, model.dtype, CPU)
-    tokens = torch.tensor([window])
-    positions = torch.arange(T)[None]  # [1, T]
+    """nll_of the engine's logits: one prefill of the window into an empty cache."""
+    cache = KVCache.allocate(model.config, 1, len(window), model.dtype, CPU)
     with torch.inference_mode():
-        logits = model(tokens, positions, cache.k, cache.v, positions, mask=None)  # [1, T, V]
-    logprobs = F.log_softmax(logits[0, :-1].float(), dim=-1)  # [T-1, V]
-    return (-logprobs.gather(1, tokens[0, 1:, None]))[:, 0].tolist()
+        return nll_of(prefill(model, cache, [window], all_logits=True)[0], window)  # logits [T, V]
 
 
-def llama_cpp_nll(gguf: Path, window_size: int):
+def llama_cpp_nll(gguf: Path, window_size: int) -> Callable[[list[int]], list[float]]:
     """A scorer like engine_nll, run by llama.cpp on the GGUF file."""
     import numpy as np
     from llama_cpp import Llama
@@ -58,14 +62,12 @@ def llama_cpp_nll(gguf: Path, window_size: int):
     def score(window: list[int]) -> list[float]:
         llm.reset()
         llm.eval(window)
-        logits = torch.from_numpy(np.asarray(llm.scores[: len(window) - 1], dtype=np.float32))  # [T-1, V]
-        logprobs = F.log_softmax(logits, dim=-1)
-        return (-logprobs.gather(1, torch.tensor(window[1:])[:, None]))[:, 0].tolist()
+        return nll_of(torch.from_numpy(np.asarray(llm.scores[: len(window)], dtype=np.float32)), window)
 
     return score
 
 
-def perplexity(score, token_windows: list[list[int]]) -> float:
+def perplexity(score: Callable[[list[int]], list[float]], token_windows: list[list[int]]) -> float:
     nll = [value for window in token_windows for value in score(window)]
     return math.exp(sum(nll) / len(nll))
 
@@ -82,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text ({e}); pass a text file") from e
+
+
 def run(args: argparse.Namespace) -> None:
     if args.tokens < 2 or args.window < 2:
         raise UserError("--tokens and --window must each be at least 2")
@@ -90,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
             raise UserError(f"{path}: no such file")
     checkpoint = resolve_checkpoint(args.checkpoint)
     tokenizer = Tokenizer.from_dir(checkpoint)
-    texts = {path: windows(tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[: args.tokens], args.window) for path in args.text}
+    texts = {path: windows(tokenizer.encode(read_text(path), add_special_tokens=False)[: args.tokens], args.window) for path in args.text}
     model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), CPU), CPU, args.quant, args.group_size)
     scorers = {f"engine ({args.quant if args.quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')})": lambda w: engine_nll(model, w)}
     if args.gguf is not None:

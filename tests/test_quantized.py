@@ -467,3 +467,21 @@ def test_generate_reports_an_unfit_group_size_in_one_line(chat_checkpoint, capsy
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1 and "not a multiple of 64" in err
+
+
+def test_a_saved_quantized_checkpoint_loads_as_the_model_quantized_at_load_time(tiny_checkpoint, tmp_path):
+    """python -m weights.quantize writes what the loader reads back: the very layers --quant builds, whose
+    logits are checked against brute force above; and its bad inputs are one clear error each."""
+    from weights.quantize import save_quantized
+
+    folder, _ = tiny_checkpoint("qwen2")
+    saved = save_quantized(folder, tmp_path / "q4", "int4", 32)
+    tokens = random_tokens(2, 9, seed=3)
+    at_load = all_logits(load_model(folder, torch.float32, CPU, quant="int4"), tokens)
+    assert torch.equal(all_logits(load_model(saved, torch.float32, CPU), tokens), at_load)
+    with pytest.raises(UserError, match="already exists"):
+        save_quantized(folder, saved, "int8")
+    with pytest.raises(UserError, match="already quantized"):
+        save_quantized(saved, tmp_path / "again", "int8")
+    with pytest.raises(UserError, match="not a multiple of 64"):
+        save_quantized(folder, tmp_path / "g64", "int4", 64)

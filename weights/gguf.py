@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -40,8 +37,8 @@ from models.quantized import QuantizedWeight, quantize_int8
 from weights.gguf_blocks import GROUP, INT4_TYPES, int4_weight
 from weights.gguf_metadata import Metadata, open_gguf
 from weights.gguf_tokenizer import generation_config, tokenizer, tokenizer_config
-from weights.loader import QUANTIZED_KEY, expected_shapes
-from weights.safetensors_writer import Entry, write_safetensors
+from weights.loader import QUANTIZED_KEY, expected_shapes, stored_entries, stored_tensors
+from weights.safetensors_writer import Entry, write_folder, write_safetensors
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,26 +87,15 @@ def import_gguf(
         config[QUANTIZED_KEY] = {"from": "gguf", "int4": "Q4_0, Q4_1 and Q4_K matrices, groups of 32", "int8": "other matrices, per output channel"}
     tok = tokenizer(meta)
 
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    except OSError as e:
-        raise UserError(f"cannot create the checkpoint folder {out_dir} ({e}); choose a writable place") from e
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary folder
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(meta))
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
-        tok.save(str(tmp / "tokenizer.json"))
-        with open(tmp / "model.safetensors", "wb") as f:
+    def fill(folder: Path) -> None:
+        _write_json(folder / "config.json", config)
+        _write_json(folder / "generation_config.json", generation_config(meta))
+        _write_json(folder / "tokenizer_config.json", tokenizer_config(meta))
+        tok.save(str(folder / "tokenizer.json"))
+        with open(folder / "model.safetensors", "wb") as f:
             _write_safetensors(f, plan, DTYPES[dtype], quantized, progress)
-        os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # disk full, or another process put out_dir in place first
-            raise UserError(f"cannot write the checkpoint {out_dir} ({e}); check free space and that nothing else writes there") from e
-        raise
-    return out_dir
+
+    return write_folder(out_dir, fill)
 
 
 def _float32(value: float) -> float:
@@ -248,11 +234,8 @@ def _entries(p: _Planned, dtype: torch.dtype, quantized: bool) -> list[Entry]:
     """What the tensor becomes in the file: itself in `dtype`, or, quantized, int8 values and their float32 scales (and zeros)."""
     if not quantized or len(p.shape) != 2:
         return [(p.name, dtype, p.shape)]
-    rows, inputs = p.shape
-    stem = p.name.removesuffix(".weight")
-    groups = inputs // GROUP if _stays_int4(p, quantized) else 1
-    entries = [(p.name, torch.int8, p.shape), (stem + ".scales", torch.float32, (rows, groups))]
-    return entries + [(stem + ".zeros", torch.float32, (rows, groups))] if groups > 1 else entries
+    int4 = _stays_int4(p, quantized)
+    return stored_entries(p.name, p.shape, p.shape[1] // GROUP if int4 else 1, with_zeros=int4)
 
 
 def _load(p: _Planned, dtype: torch.dtype, quantized: bool = False) -> list[torch.Tensor]:
@@ -263,9 +246,8 @@ def _load(p: _Planned, dtype: torch.dtype, quantized: bool = False) -> list[torc
         weight = int4_weight(p.source.data, p.source.tensor_type, p.shape)
         if p.unpermute_heads:  # the rows move; each row's groups stay as they are
             weight = QuantizedWeight(*(torch.from_numpy(_unpermute(t.numpy(), p.unpermute_heads)) for t in (weight.values, weight.scales, weight.zeros)))
-        return [weight.values, weight.scales, weight.zeros]
-    weight = quantize_int8(torch.from_numpy(_float_weight(p)))
-    return [weight.values, weight.scales]
+        return stored_tensors(weight)
+    return stored_tensors(quantize_int8(torch.from_numpy(_float_weight(p))))
 
 
 def _write_safetensors(f: BinaryIO, plan: list[_Planned], dtype: torch.dtype, quantized: bool, progress: bool) -> None:

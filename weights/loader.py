@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from models.linear import column_major_on_cpu
 from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
+from weights.safetensors_writer import Entry
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -317,6 +318,19 @@ def _read_quantized(located: dict[str, Path], name: str, sources: list[str], sha
     if stored:
         return concatenate([_read_stored(located, prefix) for prefix in stored])
     return quantize(read_copy(located, sources, shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
+
+
+def stored_entries(name: str, shape: tuple[int, int], groups: int, with_zeros: bool) -> list[Entry]:
+    """How a quantized checkpoint stores the weight `name` [N, K]: int8 values, float32 `.scales`
+    [N, groups] and, for int4, `.zeros` [N, groups] (what _read_stored reads back)."""
+    stem = name.removesuffix(".weight")
+    entries = [(name, torch.int8, shape), (stem + ".scales", torch.float32, (shape[0], groups))]
+    return entries + [(stem + ".zeros", torch.float32, (shape[0], groups))] if with_zeros else entries
+
+
+def stored_tensors(weight: QuantizedWeight) -> list[torch.Tensor]:
+    """The tensors of stored_entries, in its order."""
+    return [weight.values, weight.scales] + ([] if weight.zeros is None else [weight.zeros])
 
 
 def _read_stored(located: dict[str, Path], prefix: str) -> QuantizedWeight:

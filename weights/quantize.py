@@ -10,10 +10,8 @@ very one `--quant` makes at load time. Only the engine reads the folder.
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,8 +19,8 @@ from safetensors import safe_open
 
 from errors import UserError, run_command
 from models.quantized import GROUP_SIZES, check_int4_fits, quantize
-from weights.loader import LM_HEAD_MODE, QUANTIZED_KEY, SAFETENSORS_DTYPES, linear_shapes, locate_tensors, read_config, stored_quantized
-from weights.safetensors_writer import Entry, write_safetensors
+from weights.loader import LM_HEAD_MODE, QUANTIZED_KEY, SAFETENSORS_DTYPES, linear_shapes, locate_tensors, read_config, stored_entries, stored_quantized, stored_tensors
+from weights.safetensors_writer import Entry, write_folder, write_safetensors
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -38,22 +36,15 @@ def _entries_and_tensors(located: dict[str, Path], mode: str, group_size: int) -
             makers.append(lambda name=name, path=path: [_read(path, name)])
             continue
         weight_mode = LM_HEAD_MODE if name in ("lm_head.weight", "model.embed_tokens.weight") else mode
-        stem, groups = name.removesuffix(".weight"), 1 if weight_mode == "int8" else shape[1] // group_size
-        entries += [(name, torch.int8, shape), (stem + ".scales", torch.float32, (shape[0], groups))]
-        if weight_mode == "int4":
-            entries.append((stem + ".zeros", torch.float32, (shape[0], groups)))
-        makers.append(lambda name=name, path=path, weight_mode=weight_mode: _quantized(path, name, weight_mode, group_size))
+        int4 = weight_mode == "int4"
+        entries += stored_entries(name, shape, shape[1] // group_size if int4 else 1, with_zeros=int4)
+        makers.append(lambda name=name, path=path, weight_mode=weight_mode: stored_tensors(quantize(_read(path, name), weight_mode, group_size)))
     return entries, makers
 
 
 def _read(path: Path, name: str) -> torch.Tensor:
     with safe_open(path, framework="pt") as f:
         return f.get_tensor(name)
-
-
-def _quantized(path: Path, name: str, mode: str, group_size: int) -> list[torch.Tensor]:
-    weight = quantize(_read(path, name), mode, group_size)
-    return [weight.values, weight.scales] + ([] if weight.zeros is None else [weight.zeros])
 
 
 def save_quantized(checkpoint: Path, out_dir: Path, mode: str, group_size: int = 32) -> Path:
@@ -65,23 +56,17 @@ def save_quantized(checkpoint: Path, out_dir: Path, mode: str, group_size: int =
     if mode == "int4":
         check_int4_fits(linear_shapes(config), group_size)
     entries, makers = _entries_and_tensors(locate_tensors(checkpoint, config), mode, group_size)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)
+    def fill(folder: Path) -> None:
         for item in checkpoint.iterdir():  # the tokenizer, generation config, chat template...
             if item.is_file() and item.name not in (*WEIGHT_FILES, "config.json") and item.suffix != ".safetensors":
-                shutil.copy2(item, tmp / item.name)
+                shutil.copy2(item, folder / item.name)
         raw = json.loads((checkpoint / "config.json").read_text())
         raw[QUANTIZED_KEY] = {"mode": mode, "group_size": group_size if mode == "int4" else None, "embedding_and_lm_head": LM_HEAD_MODE}
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        with open(tmp / "model.safetensors", "wb") as f:
+        (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        with open(folder / "model.safetensors", "wb") as f:
             write_safetensors(f, entries, (t for make in makers for t in make()))
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_folder(out_dir, fill)
 
 
 def main(argv: list[str] | None = None) -> int:

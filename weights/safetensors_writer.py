@@ -1,10 +1,17 @@
-"""Write a safetensors file one tensor at a time, so memory holds one tensor, not the model."""
+"""Write a checkpoint: a safetensors file one tensor at a time, so memory holds one tensor, not the
+model, inside a folder that appears whole or not at all."""
 
 import json
-from collections.abc import Iterable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from errors import UserError
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
 
@@ -28,3 +35,23 @@ def write_safetensors(f: BinaryIO, entries: list[Entry], tensors: Iterable[torch
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise AssertionError(f"{name}: made {tensor.dtype} {list(tensor.shape)}, the header says {dtype} {list(shape)}")
         f.write(tensor.contiguous().view(torch.uint8).numpy().data)
+
+
+def write_folder(out_dir: Path, fill: Callable[[Path], None]) -> Path:
+    """`fill` writes the checkpoint's files into a temporary sibling folder, which is then renamed to
+    `out_dir` (which must not exist, or be empty): an interrupted write leaves no half-written checkpoint."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    except OSError as e:
+        raise UserError(f"cannot create the checkpoint folder {out_dir} ({e}); choose a writable place") from e
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary folder
+        fill(tmp)
+        os.replace(tmp, out_dir)  # atomic; replaces an empty out_dir
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # disk full, or another process put out_dir in place first
+            raise UserError(f"cannot write the checkpoint {out_dir} ({e}); check free space and that nothing else writes there") from e
+        raise
+    return out_dir
