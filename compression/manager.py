@@ -9,26 +9,15 @@ everything else happens between steps.
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
-from compression.compaction import compact_in_place
+from compression.cache import Cache, all_keys, layer_keys
+from compression.compaction import compact_cache
 from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
 from compression.scoring import rotate_to_position
 from models.rope import apply_rope
-
-
-class Cache(Protocol):
-    """The part of the engine's KV cache that compression reads and rewrites."""
-
-    k: torch.Tensor  # [L, B, H_kv, S, D] keys after RoPE
-    v: torch.Tensor  # [L, B, H_kv, S, D]
-    length: torch.Tensor  # [B] slots in use
-    position: torch.Tensor  # [B] absolute position of the next token
-    prompt_length: torch.Tensor  # [B] protected prefix
 
 
 @dataclass
@@ -55,12 +44,12 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
     new one included, summed over the heads of each KV group, to `received` [L, B, H_kv, S]. The
     new token's slot starts from zero: it may hold an evicted token's sum."""
     L, B, H, _, D = queries.shape
-    H_kv, S = cache.k.shape[2], cache.k.shape[3]
+    H_kv, S = cache.k.shape[2], cache.n_slots
     new_slot = cache.length.view(1, B, 1, 1).expand(L, B, H_kv, 1)
     received.scatter_(3, new_slot, 0.0)
     rotated = apply_rope(queries, cos[:, None], sin[:, None])  # [L, B, H, 1, D]: cos/sin broadcast over layers and heads
     grouped = rotated.view(L, B, H_kv, H // H_kv, D).float()
-    logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, cache.k.float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
+    logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, all_keys(cache).float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
     readable = torch.arange(S, device=cache.k.device)[None, :] <= cache.length[:, None]  # [B, S]
     logits = logits.masked_fill(~readable[None, :, None, None, :], float("-inf"))
     received += logits.softmax(dim=-1).sum(dim=3)
@@ -68,7 +57,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        L, B, H_kv, _, D = cache.k.shape
+        L, B, H_kv, _, D = self.cache_shape(cache)
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
@@ -99,8 +88,14 @@ class CompressionManager:
     def track_received_attention(self) -> None:
         """Accumulate H2O's statistic from the next step on (H2O's own manager does from the start;
         the evaluation's full-cache recorder does it so that H2O can resume from its snapshots)."""
-        L, B, H_kv, S, _ = self.cache.k.shape
+        L, B, H_kv, S, _ = self.cache_shape(self.cache)
         self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.k.device)
+
+    @staticmethod
+    def cache_shape(cache: Cache) -> tuple[int, int, int, int, int]:
+        """(L, B, H_kv, S, D) of the cache's slots, in either layout."""
+        L, _, H_kv, _, D = cache.k.shape
+        return L, cache.length.shape[0], H_kv, cache.n_slots, D
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
@@ -144,7 +139,7 @@ class CompressionManager:
         cache, config = self.cache, self.config
         if not config.prefix_budget:
             return
-        L, B, H_kv, _, D = cache.k.shape
+        L, B, H_kv, _, D = self.cache_shape(cache)
         T = int(cache.prompt_length.max())
         self.prefix_positions = torch.arange(T, device=cache.k.device).expand(L, B, H_kv, T).clone()
         for b, P in enumerate(cache.prompt_length.tolist()):
@@ -155,13 +150,15 @@ class CompressionManager:
             issued_at = torch.arange(P - R, P, device=cache.k.device)[None]  # [1, R]
             now = torch.tensor([P], device=cache.k.device)
             candidate_slots = PREFIX_SINKS + torch.arange(n_candidates, device=cache.k.device)[None]  # [1, C]
+            row = cache.row(b)
             keep = []
             for layer in range(L):
+                context = layer_keys(row, layer, P)  # [1, H_kv, P, D]
                 inputs = ScoringInputs(
                     beacons=rotate_to_position(self.queries[layer, b : b + 1, :, : self.n_beacon], self.rope_cos[now], self.rope_sin[now]),
                     recent=apply_rope(self.prompt_tail[layer, b : b + 1], self.rope_cos[issued_at], self.rope_sin[issued_at]),
-                    keys=cache.k[layer, b : b + 1, :, PREFIX_SINKS : PREFIX_SINKS + n_candidates],
-                    context=cache.k[layer, b : b + 1, :, :P],
+                    keys=context[:, :, PREFIX_SINKS : PREFIX_SINKS + n_candidates],
+                    context=context,
                     visible=(torch.arange(P, device=cache.k.device) <= issued_at[0, :, None]).expand(1, H_kv, R, P),
                     in_use=torch.ones(1, P, dtype=torch.bool, device=cache.k.device),
                     candidate_slots=candidate_slots,
@@ -169,8 +166,8 @@ class CompressionManager:
                     generator=self.generator,
                 )
                 keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
-            row = [cache.k[:, b : b + 1], cache.v[:, b : b + 1], self.prefix_positions[:, b : b + 1]]
-            compact_in_place(row, torch.tensor([PREFIX_SINKS], device=cache.k.device), torch.stack(keep), n_candidates, config.prefix_tail)
+            sinks = torch.tensor([PREFIX_SINKS], device=cache.k.device)
+            compact_cache(row, [self.prefix_positions[:, b : b + 1]], sinks, torch.stack(keep), n_candidates, config.prefix_tail)
             cache.prompt_length[b] = cache.length[b] = PREFIX_SINKS + config.prefix_budget + config.prefix_tail
         self.prompt_tail = None
 
@@ -192,12 +189,15 @@ class CompressionManager:
             self._count_query()
         self.generated += n
 
-    def after_step(self) -> None:
-        """Between steps: one more slot is in use and one more query was recorded."""
+    def after_step(self) -> bool:
+        """Between steps: one more slot is in use and one more query was recorded. Returns
+        whether the cache was compacted (its lengths shrank)."""
         self._count_query()
         self.generated += 1
         if self.generated - self.config.window > self.config.budget_max:
             self._compact()
+            return True
+        return False
 
     def _count_query(self) -> None:
         self.steps += 1
@@ -238,7 +238,7 @@ class CompressionManager:
         start = time.perf_counter()
         cache, config = self.cache, self.config
         n_candidates = self.generated - config.window
-        L, B, H_kv, _, D = cache.k.shape
+        L, B, H_kv, _, D = self.cache_shape(cache)
         offsets = torch.arange(n_candidates, device=cache.k.device)
         candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
         beacon_cos, beacon_sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]: beacons vote from now
@@ -249,7 +249,8 @@ class CompressionManager:
         in_use = cache.slot_ids[None, :S] < cache.length[:, None]  # [B, S]
         keep = []
         for layer in range(L):
-            keys = cache.k[layer].gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
+            context = layer_keys(cache, layer, S)  # [B, H_kv, S, D]
+            keys = context.gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
             received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
@@ -258,7 +259,7 @@ class CompressionManager:
                 beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], beacon_cos, beacon_sin),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
                 keys=keys,
-                context=cache.k[layer, :, :, :S],
+                context=context,
                 visible=visible,
                 in_use=in_use,
                 candidate_slots=candidate_slots,
@@ -266,8 +267,8 @@ class CompressionManager:
                 generator=self.generator,
             )
             keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
-        moved = [cache.k, cache.v, positions] + ([self.received] if self.received is not None else [])
-        compact_in_place(moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
+        moved = [positions] + ([self.received] if self.received is not None else [])
+        compact_cache(cache, moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=cache.k.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True
@@ -284,7 +285,7 @@ class CompressionManager:
         recorded; every slot after them was written in order, one position per step.
         """
         cache = self.cache
-        L, B, H_kv, S, _ = cache.k.shape
+        L, B, H_kv, S, _ = self.cache_shape(cache)
         slots = torch.arange(S, device=cache.k.device)
         positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
         positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)

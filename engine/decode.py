@@ -13,13 +13,14 @@ import torch
 
 from compression.manager import CompressionManager
 from engine.kv_cache import KVCache
+from engine.paged_cache import PagedKVCache
 from engine.sampling import SamplingConfig, sample
 from models.transformer import Transformer
 
 
 def prefill(
     model: Transformer,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     prompts: list[list[int]],
     all_logits: bool = False,
     compression: CompressionManager | None = None,
@@ -28,7 +29,7 @@ def prefill(
     position..position+len-1. Logits [B, V] at each prompt's last token, or [B, T, V] at every
     position with all_logits. Into an empty cache the prompts become the protected prefix and
     seed the compression manager, if any; after it, the manager counts them as generated."""
-    device = cache.k.device
+    device = cache.length.device
     B, T = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
     for row, prompt in enumerate(prompts):
@@ -45,7 +46,7 @@ def prefill(
         real = slots[None, None, :] < (cache.length + lengths)[:, None, None]  # [B, 1, S] not padding
         mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
-    k, v = cache.k[:, :, :, : max(held) + T], cache.v[:, :, :, : max(held) + T]
+    k, v, block_table = cache.view(max(held) + T)
     fresh = max(held) == 0
     tails = []  # a chat turn: each layer's last queries [B, H, <=n_recent, D], for the recent ring
 
@@ -57,7 +58,7 @@ def prefill(
         on_queries = partial(compression.seed_layer, prompt_lengths=lengths) if fresh else keep_tail
     logits = model(
         tokens, positions, k_cache=k, v_cache=v, write_slots=write_slots, mask=mask,
-        logit_index=None if all_logits else lengths - 1, on_queries=on_queries,
+        logit_index=None if all_logits else lengths - 1, on_queries=on_queries, block_table=block_table,
     )
     if tails:
         compression.append(torch.stack(tails), [len(p) for p in prompts])
@@ -72,7 +73,7 @@ def prefill(
 
 def decode_step(
     model: Transformer,
-    cache: KVCache,
+    cache: KVCache | PagedKVCache,
     tokens: torch.Tensor,  # [B] the tokens to feed; overwritten with the next ones
     finished: torch.Tensor,  # [B] bool, updated in place
     eos_ids: torch.Tensor,  # [E] int64
@@ -88,14 +89,13 @@ def decode_step(
     + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
     graph needs. Attention time grows with the slots read."""
     slots = cache.length[:, None]  # [B, 1]
-    k, v, slot_ids = cache.k, cache.v, cache.slot_ids
-    if n_read is not None:
-        k, v, slot_ids = k[:, :, :, :n_read], v[:, :, :, :n_read], slot_ids[:n_read]
+    k, v, block_table = cache.view(n_read)
+    slot_ids = cache.slot_ids if n_read is None else cache.slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
     queries = []  # each layer's [B, H, 1, D]: one token's are small, so the manager takes them all at once
     logits = model(
         tokens[:, None], cache.position[:, None], k_cache=k, v_cache=v, write_slots=slots, mask=mask,
-        on_queries=None if compression is None else lambda layer, q: queries.append(q),
+        on_queries=None if compression is None else lambda layer, q: queries.append(q), block_table=block_table,
     )
     if compression is not None:
         compression.record(torch.stack(queries), cache.position)
@@ -112,7 +112,7 @@ def decode_step(
 
 
 def advanced_by_step(
-    cache: KVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | None
+    cache: KVCache | PagedKVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | None
 ) -> list[torch.Tensor]:
     """The small tensors decode_step advances in place, beside the K/V it writes: whoever runs the
     step for another purpose (a CUDA graph's warm-up) must put these back afterwards."""

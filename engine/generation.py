@@ -17,6 +17,7 @@ from compression.manager import CompressionManager, CompressionStats
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
+from engine.paged_cache import PageConfig, PagedKVCache
 from engine.sampling import SamplingConfig, sample, seen_tokens
 from errors import UserError
 from models.transformer import Transformer
@@ -33,7 +34,8 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     decode_steps: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int  # allocated
+    kv_peak_bytes: int  # held at the peak: all of it in the contiguous cache, the most blocks in use in the paged one
     compression: CompressionStats | None = None
 
     @property
@@ -87,12 +89,17 @@ class Session:
         compression: CompressionConfig = CompressionConfig(),
         compile: bool = False,
         cuda_graph: bool = False,
+        pages: PageConfig | None = None,
     ):
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
         self.model, self.sampling, self.eos_ids = model, sampling, eos_ids
-        self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
+        self.cache: KVCache | PagedKVCache
+        if pages is None:
+            self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
+        else:
+            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages)
         self.manager = None
         if compression.enabled:
             self.manager = CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
@@ -105,7 +112,7 @@ class Session:
         if sampling.penalises_repetition:
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
         self.compile, self.cuda_graph = compile, cuda_graph
-        self.longest = 0  # the most slots any row has written (a host count: the eager read bound)
+        self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self._guards_checked = False
@@ -114,28 +121,44 @@ class Session:
         """Append one list of tokens per row; returns the first sampled token of each row."""
         if self.seen is not None:
             self.seen |= seen_tokens(prompts, self.seen.shape[1], self.seen.device)
+        self._reserve([held + len(p) for held, p in zip(self.lengths, prompts)])
         logits = prefill(self.model, self.cache, prompts, compression=self.manager)
         self.last_logits = logits  # [B, V] at each prompt's last token
         self.tokens.copy_(sample(logits, self.sampling, self.seen))
         self.finished.copy_(torch.isin(self.tokens, self.eos))
-        self.longest += max(len(p) for p in prompts)
-        return self.tokens.tolist()  # the host sync that ends prefill
+        first = self.tokens.tolist()  # the host sync that ends prefill
+        self._lengths_changed()  # a KV policy may have compressed the prompts
+        return first
 
     def step(self) -> list[int]:
         """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
         if self._step is None:
             self._step = self._build_step()
+        self._reserve([n + 1 for n in self.lengths])
         # Eager, the step attends over the slots that can be in use, a bound the host knows: any
         # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
         # one compile. A compressed cache is small already, and its lengths shrink on the device.
         if not (self.compile or self.cuda_graph or self.manager is not None):
-            self._step(n_read=self.longest + 1)
+            self._step(n_read=max(self.lengths) + 1)
         else:
             self._step()
-        self.longest += 1
-        if self.manager is not None:
-            self.manager.after_step()
+        self.lengths = [n + 1 for n in self.lengths]
+        if self.manager is not None and self.manager.after_step():
+            self._lengths_changed()
         return self.tokens.tolist()
+
+    def _reserve(self, n_slots: list[int]) -> None:
+        """A paged cache: give each row the blocks its next n_slots slots need."""
+        if isinstance(self.cache, PagedKVCache):
+            for row, n in enumerate(n_slots):
+                self.cache.reserve(row, n)
+
+    def _lengths_changed(self) -> None:
+        """After a compaction: read the rows' lengths back; a paged cache frees the emptied blocks at once."""
+        self.lengths = self.cache.length.tolist()
+        if isinstance(self.cache, PagedKVCache):
+            for row, n in enumerate(self.lengths):
+                self.cache.shrink(row, n)
 
     def reset(self) -> None:
         """Empty the cache for a new conversation, keeping every buffer (and a captured graph)."""
@@ -146,7 +169,7 @@ class Session:
             self.seen.zero_()
         if self.manager is not None:
             self.manager.reset()
-        self.longest = 0
+        self._lengths_changed()
 
     def stop_rows(self, rows: Iterable[int]) -> None:
         """From the host, between steps: these rows emit EOS from now on."""
@@ -154,7 +177,7 @@ class Session:
             self.finished[row] = True
 
     def _build_step(self) -> Callable[..., object]:
-        step = compile_decode_step(self.cache.k.device) if self.compile else decode_step
+        step = compile_decode_step(self.model.device) if self.compile else decode_step
         advance = partial(step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen)
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
@@ -212,12 +235,14 @@ def generate(
     on_tokens: OnTokens | None = None,
     compression: CompressionConfig = CompressionConfig(),
     cuda_graph: bool = False,
+    pages: PageConfig | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
-    the prompt + budget_max + window slots only, and is compacted whenever it is full."""
+    the prompt + budget_max + window slots only, and is compacted whenever it is full. With
+    pages, the cache is paged: each row holds only the blocks its own slots need."""
     check_lengths(model, prompts, max_new_tokens)
     n_slots = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
-    session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph)
+    session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph, pages)
 
     start = time.perf_counter()
     first = session.prefill(prompts)
@@ -226,4 +251,5 @@ def generate(
     start = time.perf_counter()
     tokens, steps = decode(session, first, max_new_tokens, on_tokens)
     decode_s = time.perf_counter() - start
-    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, session.cache.nbytes, session.stats)
+    cache = session.cache
+    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, cache.peak_bytes, session.stats)

@@ -1,8 +1,9 @@
 """The decoder-only transformer of Llama, Mistral, Qwen2 and Qwen3, in one file.
 
 The model owns no cache. Every forward pass is told where its keys and values live (the
-engine's static cache buffers), which cache slot each new token is written to, and which slots
-each query may read (a boolean mask). Prefill and decode are the same code path.
+engine's static cache buffers, or a pool of blocks and each row's block table), which cache slot
+each new token is written to, and which slots each query may read (a boolean mask). Prefill and
+decode are the same code path.
 
 Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
 """
@@ -16,6 +17,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.linear import Linear
+from models.pages import gather_pages, page_address
 from models.rope import apply_rope, rope_cos_sin, rope_tables
 
 
@@ -49,11 +51,12 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, C]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
-        v_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place
+        k_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place; paged: [L, n_blocks, H_kv, block, D]
+        v_cache: torch.Tensor,  # like k_cache
         layer: int,  # this layer's index in the cache
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor | None,  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T
+        block_table: torch.Tensor | None = None,  # [B, >= S / block]: a paged cache's blocks of each row
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [B, T, C] and the queries before RoPE [B, H, T, D] (for compression)."""
         B, T, _ = x.shape
@@ -72,11 +75,16 @@ class Attention(nn.Module):
         # The write indexes the whole [L, ...] buffer with tensors, the layer included: through a
         # per-layer view (or with scatter_), torch.compile copied the whole cache at every step.
         layer_index = torch.full((1, 1), layer, device=x.device)  # [1, 1]
-        rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
-        k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
-        v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
-
-        out = attend(q, k_cache[layer], v_cache[layer], write_slots, mask)  # [B, H, T, D]
+        if block_table is None:
+            rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
+            k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
+            v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
+            out = attend(q, k_cache[layer], v_cache[layer], write_slots, mask)  # [B, H, T, D]
+        else:
+            blocks, offsets = page_address(block_table, write_slots, k_cache.shape[3])  # [B, T] each
+            k_cache[layer_index, blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
+            v_cache[layer_index, blocks, :, offsets] = v.transpose(1, 2)
+            out = attend_pages(q, k_cache[layer], v_cache[layer], block_table, write_slots, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * D)), q_before_rope
 
 
@@ -103,6 +111,23 @@ def attend(
         mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
     out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G * T, D), k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
     return out.view(B, H, T, D)
+
+
+def attend_pages(
+    q: torch.Tensor,  # [B, H, T, D] after RoPE
+    k_pool: torch.Tensor,  # [n_blocks, H_kv, block, D] one layer's pool, the new keys written
+    v_pool: torch.Tensor,  # [n_blocks, H_kv, block, D]
+    block_table: torch.Tensor,  # [B, max_blocks]
+    write_slots: torch.Tensor,  # [B, T]
+    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
+) -> torch.Tensor:
+    """Attention over a paged cache, [B, H, T, D]: flash-attn reads the blocks through the table
+    itself; otherwise each row's first S slots are gathered into one tensor for SDPA."""
+    T = q.shape[2]
+    if T == 1 and flash_decode_supported(k_pool, paged=True):
+        return flash_decode(q, k_pool, v_pool, write_slots[:, 0] + 1, block_table)
+    n_slots = T if mask is None else mask.shape[-1]
+    return attend(q, gather_pages(k_pool, block_table, n_slots), gather_pages(v_pool, block_table, n_slots), write_slots, mask)
 
 
 class MLP(nn.Module):
@@ -134,10 +159,12 @@ class Block(nn.Module):
         layer: int,
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor | None,  # [B, 1, T, S]
+        block_table: torch.Tensor | None = None,  # [B, max_blocks] with a paged cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
         attended, queries = self.attn(
-            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, layer=layer, write_slots=write_slots, mask=mask
+            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, layer=layer, write_slots=write_slots, mask=mask,
+            block_table=block_table,
         )
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), queries
@@ -168,12 +195,13 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T] absolute positions, for RoPE
-        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]
-        v_cache: torch.Tensor,  # [L, B, H_kv, S, D]
+        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]; paged: [L, n_blocks, H_kv, block, D]
+        v_cache: torch.Tensor,  # like k_cache
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1 (S == T), no padding
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
         on_queries: Callable[[int, torch.Tensor], None] | None = None,
+        block_table: torch.Tensor | None = None,  # [B, max_blocks]: k_cache/v_cache are pools of blocks
     ) -> torch.Tensor:
         """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
         on_queries(layer, queries before RoPE [B, H, T, D]) is called as each layer finishes, for a
@@ -184,7 +212,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask)
+            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask, block_table=block_table)
             if on_queries is not None:
                 on_queries(i, q)
         if logit_index is not None:

@@ -1,0 +1,140 @@
+"""The paged KV cache: one pool of fixed-size blocks for every row, and a block table per row.
+
+Slot s of row b lives in block `block_table[b, s // block_size]` at offset `s % block_size`.
+The pool and the table are allocated once, before decoding, and keep their shapes; between
+steps the host hands a row a free block when its next slot starts one, and takes back the
+blocks a row no longer needs: all of them when it finishes, the ones past its length after a
+compaction. So a row holds what it uses, not what the longest row might, and memory a KV policy
+evicts is memory another row can take.
+
+Block 0 is scratch, never handed out: every table entry a row does not own points to it, so
+an idle row of a continuous batch (which still runs through the fixed-shape step) writes there.
+Slots and positions work as in the contiguous cache (engine/kv_cache.py).
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from errors import UserError
+from models.config import ModelConfig
+
+SCRATCH_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class PageConfig:
+    block_size: int = 16  # slots per block, a power of two (flash-attn reads pages of multiples of 256)
+    n_blocks: int | None = None  # the pool; None: enough for every row's whole table
+
+
+@dataclass
+class PagedKVCache:
+    k: torch.Tensor  # [L, n_blocks, H_kv, block_size, D] keys after RoPE, every row's blocks
+    v: torch.Tensor  # [L, n_blocks, H_kv, block_size, D]
+    block_table: torch.Tensor  # [B, max_blocks] int64 pool block of each row's slots s // block_size
+    length: torch.Tensor  # [B] int64 slots in use
+    position: torch.Tensor  # [B] int64 absolute position of the next token
+    prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
+    slot_ids: torch.Tensor  # [max_blocks * block_size] 0..S-1
+    free: list[int]  # host: the blocks no row holds, handed out from the end
+    rows: list[list[int]]  # host: each row's blocks, in slot order
+    peak_blocks: int = 0  # host: the most blocks held at once
+
+    @classmethod
+    def allocate(
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
+        pages: PageConfig = PageConfig(),
+    ) -> "PagedKVCache":
+        """A table of up to n_slots slots per row; a pool of pages.n_blocks blocks (default: enough
+        for every row's whole table, the contiguous cache's memory) plus the scratch block."""
+        block_size, n_blocks = pages.block_size, pages.n_blocks
+        if block_size < 1 or block_size & (block_size - 1):
+            raise UserError(f"the block size must be a power of two, got {block_size}")
+        max_blocks = -(-n_slots // block_size)
+        n_blocks = batch * max_blocks if n_blocks is None else n_blocks
+        if n_blocks < 1:
+            raise UserError(f"the paged cache needs at least one block, got {n_blocks}")
+        shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
+        counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
+            *counters,
+            torch.arange(max_blocks * block_size, device=device),
+            list(range(n_blocks, 0, -1)),
+            [[] for _ in range(batch)],
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def n_slots(self) -> int:
+        """The most slots one row can hold: its table's length in slots."""
+        return self.block_table.shape[1] * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one block, over every layer."""
+        return self.nbytes // self.k.shape[1]
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.k.shape[1] - 1 - len(self.free)
+
+    @property
+    def peak_bytes(self) -> int:
+        """K and V bytes of the most blocks held at once."""
+        return self.peak_blocks * self.block_bytes
+
+    def view(self, n_slots: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What attention reads for the first n_slots slots of each row (None: the whole table)."""
+        if n_slots is None:
+            return self.k, self.v, self.block_table
+        return self.k, self.v, self.block_table[:, : -(-n_slots // self.block_size)]
+
+    def row(self, b: int) -> "PagedKVCache":
+        """Row b alone, as a cache of one row over the same pool: views of its table and counters.
+        Blocks are handed out and taken back through the whole cache (reserve, shrink, release)."""
+        rows = slice(b, b + 1)
+        return replace(
+            self, block_table=self.block_table[rows], length=self.length[rows], position=self.position[rows],
+            prompt_length=self.prompt_length[rows], rows=[self.rows[b]],
+        )
+
+    def reserve(self, row: int, n_slots: int) -> None:
+        """Give the row blocks until its table covers n_slots slots."""
+        if n_slots > self.n_slots:
+            raise UserError(f"a row needs {n_slots} slots but its block table holds {self.n_slots}; allocate the cache for longer rows")
+        blocks = self.rows[row]
+        while len(blocks) * self.block_size < n_slots:
+            if not self.free:
+                raise UserError(
+                    f"the paged cache's {self.k.shape[1] - 1} blocks are all in use (a row needs {n_slots} slots); "
+                    "give the pool more blocks or run fewer rows at once"
+                )
+            self.block_table[row, len(blocks)] = self.free[-1]
+            blocks.append(self.free.pop())
+            self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
+
+    def shrink(self, row: int, n_slots: int) -> None:
+        """Return the row's blocks past its first n_slots slots to the pool."""
+        blocks = self.rows[row]
+        keep = -(-n_slots // self.block_size)
+        if keep < len(blocks):
+            self.block_table[row, keep : len(blocks)] = SCRATCH_BLOCK
+            self.free.extend(reversed(blocks[keep:]))
+            del blocks[keep:]
+
+    def release(self, row: int) -> None:
+        """Return all of the row's blocks and empty it."""
+        self.shrink(row, 0)
+        for counter in (self.length, self.position, self.prompt_length):
+            counter[row] = 0
