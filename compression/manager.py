@@ -114,6 +114,10 @@ class CompressionManager:
         if self.received is not None:
             accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions])
 
+    def step_state(self) -> list[torch.Tensor]:
+        """The tensors record() advances in place inside the decode step."""
+        return [self.query_slot] + ([self.received] if self.received is not None else [])
+
     def seed_layer(self, layer: int, queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
         """During prefill, as each layer finishes: its first beacons are the farthest points among
         the prompt's queries [B, H, T, D]. Layer by layer, so a long prompt never holds every
@@ -301,3 +305,31 @@ class CompressionManager:
     def _sync(self) -> None:
         if self.cache.k.device.type == "cuda":
             torch.cuda.synchronize()  # so that the timings measure the work, not its launch
+
+
+class PerRowManagers:
+    """A continuous batch's compression: one manager per row, each on its own row of the cache.
+
+    Rows join and leave at different steps, so each keeps its own schedule (one manager's is
+    shared by all of its rows); a row's manager starts over when a new prompt takes the row."""
+
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin) for b in range(cache.length.shape[0])]
+
+    def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""
+        for b, manager in enumerate(self.rows):
+            manager.record(queries[:, b : b + 1], positions[b : b + 1])
+
+    def step_state(self) -> list[torch.Tensor]:
+        return [t for manager in self.rows for t in manager.step_state()]
+
+    @property
+    def stats(self) -> CompressionStats:
+        """Every row's compactions together."""
+        total = CompressionStats()
+        for manager in self.rows:
+            total.compactions += manager.stats.compactions
+            total.compaction_s += manager.stats.compaction_s
+            total.refresh_s += manager.stats.refresh_s
+        return total

@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-from compression.manager import CompressionManager
+from compression.manager import CompressionManager, PerRowManagers
 from engine.kv_cache import KVCache
 from engine.paged_cache import PagedKVCache
 from engine.sampling import SamplingConfig, sample
@@ -78,7 +78,7 @@ def decode_step(
     finished: torch.Tensor,  # [B] bool, updated in place
     eos_ids: torch.Tensor,  # [E] int64
     sampling: SamplingConfig,
-    compression: CompressionManager | None = None,
+    compression: CompressionManager | PerRowManagers | None = None,
     n_read: int | None = None,
     seen: torch.Tensor | None = None,  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
 ) -> torch.Tensor:
@@ -102,8 +102,9 @@ def decode_step(
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)
-    # A finished row keeps running (shapes are static) but only ever emits EOS again.
-    next_tokens = torch.where(finished, eos_ids[0], sample(logits, sampling, seen))
+    # A finished row keeps running (shapes are static), feeding its last token again: a real
+    # token id, which EOS is not when a model has none (its stand-in, -1, is no embedding row).
+    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen))
     finished |= torch.isin(next_tokens, eos_ids)
     tokens.copy_(next_tokens)
     cache.length += 1
@@ -112,7 +113,7 @@ def decode_step(
 
 
 def advanced_by_step(
-    cache: KVCache | PagedKVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | None
+    cache: KVCache | PagedKVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | PerRowManagers | None
 ) -> list[torch.Tensor]:
     """The small tensors decode_step advances in place, beside the K/V it writes: whoever runs the
     step for another purpose (a CUDA graph's warm-up) must put these back afterwards."""
@@ -120,7 +121,5 @@ def advanced_by_step(
     if seen is not None:
         state.append(seen)
     if compression is not None:
-        state.append(compression.query_slot)
-    if compression is not None and compression.received is not None:
-        state.append(compression.received)
+        state += compression.step_state()
     return state

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from compression.config import CompressionConfig
-from compression.manager import CompressionManager, CompressionStats
+from compression.manager import CompressionManager, CompressionStats, PerRowManagers
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
@@ -77,7 +77,12 @@ def compile_decode_step(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 class Session:
-    """One cache and the decode step bound to it, for `batch` rows of up to `n_slots` slots."""
+    """One cache and the decode step bound to it, for `batch` rows of up to `n_slots` slots.
+
+    Static (the default), every row starts with one prefill and runs to the end. Continuous
+    (a paged cache), rows start idle; a prompt joins an idle row between steps (`admit`) and
+    leaves it when done (`release`); an idle row still runs through the fixed-shape step, into
+    the scratch block, its counters put back to zero after each step."""
 
     def __init__(
         self,
@@ -90,29 +95,33 @@ class Session:
         compile: bool = False,
         cuda_graph: bool = False,
         pages: PageConfig | None = None,
+        continuous: bool = False,
     ):
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
         self.model, self.sampling, self.eos_ids = model, sampling, eos_ids
         self.cache: KVCache | PagedKVCache
-        if pages is None:
+        if pages is None and not continuous:
             self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
         else:
-            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages)
-        self.manager = None
+            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages or PageConfig())
+        self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
-            self.manager = CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+            managers = PerRowManagers if continuous else CompressionManager
+            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
         # What the decode step reads and overwrites: the same tensors for the whole session, so
         # that a compiled step or a CUDA graph keeps pointing at them.
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] the next tokens to feed
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
+        self.finished = torch.full((batch,), continuous, dtype=torch.bool, device=device)  # [B]
         self.seen = None  # [B, V] bool, the tokens the repetition penalty applies to
         if sampling.penalises_repetition:
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
         self.compile, self.cuda_graph = compile, cuda_graph
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
+        self.joined = [not continuous] * batch  # host: the rows holding a prompt
+        self.idle = torch.tensor([continuous] * batch, device=device)  # [B] bool, the rows holding none
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self._guards_checked = False
@@ -134,7 +143,7 @@ class Session:
         """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
         if self._step is None:
             self._step = self._build_step()
-        self._reserve([n + 1 for n in self.lengths])
+        self._reserve([n + 1 if joined else 0 for n, joined in zip(self.lengths, self.joined)])
         # Eager, the step attends over the slots that can be in use, a bound the host knows: any
         # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
         # one compile. A compressed cache is small already, and its lengths shrink on the device.
@@ -142,10 +151,48 @@ class Session:
             self._step(n_read=max(self.lengths) + 1)
         else:
             self._step()
-        self.lengths = [n + 1 for n in self.lengths]
-        if self.manager is not None and self.manager.after_step():
+        self.lengths = [n + 1 if joined else 0 for n, joined in zip(self.lengths, self.joined)]
+        if not all(self.joined):
+            for counter in (self.cache.length, self.cache.position):
+                counter.masked_fill_(self.idle, 0)
+        if isinstance(self.manager, PerRowManagers):
+            for row, manager in enumerate(self.manager.rows):
+                if self.joined[row] and manager.after_step():
+                    self._set_length(row, int(self.cache.length[row]))
+        elif self.manager is not None and self.manager.after_step():
             self._lengths_changed()
         return self.tokens.tolist()
+
+    def admit(self, row: int, prompt: list[int]) -> int:
+        """Continuous batching, between steps: prefill a prompt into an idle row; returns its first token."""
+        cache = self.cache
+        assert isinstance(cache, PagedKVCache) and not self.joined[row], "admit needs an idle row of a continuous session"
+        cache.reserve(row, len(prompt))
+        manager = None
+        if isinstance(self.manager, PerRowManagers):
+            manager = self.manager.rows[row]
+            manager.reset()
+        seen = None
+        if self.seen is not None:
+            self.seen[row] = seen_tokens([prompt], self.seen.shape[1], self.seen.device)[0]
+            seen = self.seen[row : row + 1]
+        logits = prefill(self.model, cache.row(row), [prompt], compression=manager)
+        first = sample(logits, self.sampling, seen)  # [1]
+        self.tokens[row] = first[0]
+        self.finished[row] = torch.isin(first, self.eos)[0]
+        self.idle[row] = False
+        self.joined[row] = True
+        self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
+        return int(first[0])
+
+    def release(self, row: int) -> None:
+        """Continuous batching, between steps: the row's prompt is done; its blocks go back to the pool."""
+        assert isinstance(self.cache, PagedKVCache)
+        self.cache.release(row)
+        self.finished[row] = True
+        self.idle[row] = True
+        self.joined[row] = False
+        self.lengths[row] = 0
 
     def _reserve(self, n_slots: list[int]) -> None:
         """A paged cache: give each row the blocks its next n_slots slots need."""
@@ -155,10 +202,13 @@ class Session:
 
     def _lengths_changed(self) -> None:
         """After a compaction: read the rows' lengths back; a paged cache frees the emptied blocks at once."""
-        self.lengths = self.cache.length.tolist()
+        for row, n in enumerate(self.cache.length.tolist()):
+            self._set_length(row, n)
+
+    def _set_length(self, row: int, n_slots: int) -> None:
+        self.lengths[row] = n_slots
         if isinstance(self.cache, PagedKVCache):
-            for row, n in enumerate(self.lengths):
-                self.cache.shrink(row, n)
+            self.cache.shrink(row, n_slots)
 
     def reset(self) -> None:
         """Empty the cache for a new conversation, keeping every buffer (and a captured graph)."""

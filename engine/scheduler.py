@@ -1,0 +1,122 @@
+"""Continuous batching: more prompts than rows; finished rows leave and waiting prompts join
+between decode steps.
+
+The batch has `max_batch` rows over one paged cache. Before each step, the prompts waiting (in
+their order) take the idle rows while the pool can hold them: a prompt joins only if the blocks
+it may need at worst (its prompt and every new token, or what its KV policy keeps) fit beside
+what the rows already running may still claim, so a running row never waits for a block. Its
+prefill runs then, alone; the step runs every row. A row that ends (EOS, its token limit, or a
+stop) returns all its blocks at once. Answers come back in prompt order.
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from compression.config import CompressionConfig
+from engine.generation import Session, check_lengths
+from engine.paged_cache import PageConfig, PagedKVCache
+from engine.sampling import SamplingConfig
+from errors import UserError
+from models.transformer import Transformer
+
+# Called with (prompt index, token) for each new token of a prompt, EOS excluded; returns True
+# when that prompt must stop now (a stop string appeared in its text).
+OnToken = Callable[[int, int], bool]
+OnDone = Callable[[int], None]  # called with a prompt's index when its answer is complete
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class BatchRun:
+    tokens: list[list[int]]  # per prompt, in prompt order, EOS excluded
+    prompt_tokens: int
+    seconds: float  # every prefill and step, from the first admission to the last answer
+    steps: int
+    most_rows: int  # the most prompts running at once
+    kv_cache_bytes: int  # the pool
+    kv_peak_bytes: int  # the most blocks held at once
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(map(len, self.tokens))
+
+
+def serve(
+    model: Transformer,
+    requests: list[Request],
+    max_batch: int,
+    eos_ids: frozenset[int],
+    sampling: SamplingConfig = SamplingConfig(),
+    compression: CompressionConfig = CompressionConfig(),
+    pages: PageConfig = PageConfig(),
+    compile: bool = False,
+    cuda_graph: bool = False,
+    on_token: OnToken | None = None,
+    on_done: OnDone | None = None,
+) -> BatchRun:
+    """Answer every request, at most max_batch at once. pages.n_blocks sizes the pool (default:
+    max_batch rows of the longest request's worst case, the memory static batching would take)."""
+    if max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+    for request in requests:
+        check_lengths(model, [request.prompt], request.max_new_tokens)
+    worst = [compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests]  # slots a prompt may hold at once
+    session = Session(model, max_batch, max(worst), eos_ids, sampling, compression, compile, cuda_graph, pages, continuous=True)
+    cache = session.cache
+    assert isinstance(cache, PagedKVCache)
+    need = [-(-n // cache.block_size) for n in worst]  # blocks
+    pool = len(cache.free)
+    if max(need) > pool:
+        raise UserError(
+            f"a prompt may need {max(need)} blocks of {cache.block_size} slots but the pool has {pool}; "
+            "give the pool more blocks, or lower --max-new-tokens"
+        )
+
+    waiting = deque(range(len(requests)))
+    running: list[int | None] = [None] * max_batch  # the prompt each row holds
+    answers: list[list[int]] = [[] for _ in requests]
+    steps = most_rows = 0
+
+    def claimable() -> int:
+        """Free blocks that no running prompt may still claim."""
+        owed = sum(need[p] - len(cache.rows[row]) for row, p in enumerate(running) if p is not None)
+        return len(cache.free) - owed
+
+    def emit(row: int, token: int) -> None:
+        """A row's new token: kept, or the end of its prompt, which then leaves the row."""
+        p = running[row]
+        ended = token in eos_ids
+        if not ended:
+            answers[p].append(token)
+            stop = on_token(p, token) if on_token is not None else False
+            ended = stop or len(answers[p]) == requests[p].max_new_tokens
+        if ended:
+            session.release(row)
+            running[row] = None
+            if on_done is not None:
+                on_done(p)
+
+    start = time.perf_counter()
+    while waiting or any(p is not None for p in running):
+        for row in range(max_batch):
+            if running[row] is None and waiting and need[waiting[0]] <= claimable():
+                running[row] = waiting.popleft()
+                emit(row, session.admit(row, requests[running[row]].prompt))
+        most_rows = max(most_rows, sum(p is not None for p in running))
+        if all(p is None for p in running):
+            continue  # every prompt admitted this round ended with its first token
+        tokens = session.step()
+        steps += 1
+        for row, p in enumerate(running):
+            if p is not None:
+                emit(row, tokens[row])
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    return BatchRun(answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)
