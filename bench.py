@@ -4,6 +4,8 @@
                     [--quant none|int8|int4] [--ceiling] [--json OUT.json]
     python bench.py --sweep 128,512,1024,2048 [--plot bench_sweep.png]
     python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
+    python bench.py --paged                      (the engine on its paged cache too, side by side)
+    python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
 No EOS stops a run: every run makes exactly --new-tokens tokens per row. Each system (the engine,
@@ -12,6 +14,11 @@ trials in turn, and each figure is the median over --trials runs that follow one
 
 With --compare llama.cpp the other system is llama.cpp (llama-cpp-python) on the GGUF file the
 checkpoint came from, batch 1; the default model's file is found by itself.
+
+With --workload N the benchmark is a serving one instead (benchmark/serving.py): N prompts of
+random lengths, each with its own number of new tokens, answered --max-batch at a time by
+continuous batching on the paged cache, by static batching on the contiguous cache (same memory)
+and by transformers' batched generate: aggregate tok/s, KV cache peak, most prompts at once.
 
 Reported per system: decode tok/s and ms/token, time to first token, prefill tok/s, achieved
 GB/s and its share of the machine's bandwidth roofline (and, with --ceiling, of the decode
@@ -32,11 +39,13 @@ import torch
 from benchmark.machine import Machine, bandwidth_roofline, describe_machine
 from benchmark.memory import gguf_traffic
 from benchmark.report import Report, figures, print_report
+from benchmark.serving import measure_serving, print_serving, random_requests, serving_json
 from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
-from benchmark.workload import Workload, progress
-from cli import DTYPES, add_compression_args, add_quant_args, compression_config, pick_device, pick_dtype
+from benchmark.workload import ServingWorkload, Workload, progress
+from cli import DTYPES, add_compression_args, add_paging_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype
+from engine.paged_cache import PageConfig
 from errors import UserError, run_command
 from weights.download import resolve_checkpoint
 from weights.loader import read_config, stored_dtype
@@ -65,8 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", metavar="LENGTHS", help="comma-separated prompt lengths, e.g. 128,512,1024,2048: one benchmark each, and a plot")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="where --sweep draws decode tok/s against prompt length (default bench_sweep.png)")
     p.add_argument("--seed", type=int, default=0, help="for the random KV policy")
+    w = p.add_argument_group("serving workload")
+    w.add_argument("--workload", type=int, metavar="N", help="a serving benchmark of N prompts instead (see above)")
+    w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
+    w.add_argument("--workload-new-tokens", default="64-512", metavar="MIN-MAX", help="--workload: new tokens per prompt, drawn uniformly")
+    w.add_argument("--max-batch", type=int, default=8, help="--workload: prompts decoded at once, in every system")
     add_quant_args(p)
     add_compression_args(p)
+    add_paging_args(p, "also measure the engine on its paged cache (engine_paged), beside the contiguous one")
     return p.parse_args(argv)
 
 
@@ -139,9 +154,11 @@ def default_checkpoint() -> Path:
     return smollm2_checkpoint()
 
 
-def measure(w: Workload, model_type: str, machine: Machine, compare: str) -> Report:
+def measure(w: Workload, model_type: str, machine: Machine, compare: str, pages: PageConfig | None) -> Report:
     """One benchmark point: every system on one workload."""
     systems: dict[str, System] = {"engine": (load_engine, ())}
+    if pages is not None:
+        systems["engine_paged"] = (load_engine, (pages,))
     if compare == "transformers":
         systems["transformers"] = (load_transformers, (False,))
         systems["transformers_static"] = (load_transformers, (True,))
@@ -163,7 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: run(args))
 
 
+def span(name: str, text: str) -> tuple[int, int]:
+    """MIN-MAX, two positive integers, MIN <= MAX."""
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise UserError(f"{name} takes MIN-MAX like 32-1024, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise UserError(f"{name} needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def run(args: argparse.Namespace) -> None:
+    if args.workload is not None:
+        run_workload(args)
+        return
     batch = positive("--batch", args.batch)
     trials = positive("--trials", args.trials)
     new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
@@ -185,12 +216,13 @@ def run(args: argparse.Namespace) -> None:
         )
 
     compile_step = device.type == "cpu" if args.compile is None else args.compile
+    pages = page_config(args, device, args.paged)
     machine = describe_machine(device)
     reports = []
     for length in lengths:
         prompts = random_prompts(config.vocab_size, batch, length)
         w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), args.quant, args.group_size, gguf)
-        reports.append(measure(w, config.model_type, machine, compare))
+        reports.append(measure(w, config.model_type, machine, compare, pages))
         print_report(reports[-1])
     if args.sweep is not None:
         print_sweep(reports)
@@ -198,6 +230,35 @@ def run(args: argparse.Namespace) -> None:
     if args.json is not None:
         data = reports[0].to_json() if args.sweep is None else {"sweep": [r.to_json() for r in reports], "plot": str(plot)}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+
+
+def run_workload(args: argparse.Namespace) -> None:
+    n = positive("--workload", args.workload)
+    prompt_lens = span("--workload-prompt-len", args.workload_prompt_len)
+    new_tokens = span("--workload-new-tokens", args.workload_new_tokens)
+    max_batch = positive("--max-batch", args.max_batch)
+    trials = positive("--trials", args.trials)
+    if args.compare == "llama.cpp" or args.sweep is not None or args.prompt_len is not None or args.batch != 1:
+        raise UserError("--workload draws its own prompts and compares with transformers only; drop --sweep, --prompt-len, --batch and --compare llama.cpp")
+    compare = compared_system(args, 1)
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UserError(f"cannot write {args.json}: folder {args.json.parent} does not exist")
+    device = pick_device(args.device)
+    checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    config = read_config(checkpoint)
+    if prompt_lens[1] + new_tokens[1] > config.max_position_embeddings:
+        raise UserError(f"prompts of up to {prompt_lens[1]} + {new_tokens[1]} new tokens exceed the model's {config.max_position_embeddings} positions")
+    dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+    requests = random_requests(config.vocab_size, n, prompt_lens, new_tokens, PROMPT_SEED)
+    compile_step = device.type == "cpu" if args.compile is None else args.compile
+    pages = page_config(args, device, True)
+    w = ServingWorkload(checkpoint, dtype, device, requests, max_batch, trials, compile_step, compression_config(args), pages, args.quant, args.group_size)
+    machine = describe_machine(device)
+    figures_by_system = measure_serving(w, compare)
+    print_serving(w, machine, figures_by_system)
+    if args.json is not None:
+        args.json.write_text(json.dumps(serving_json(w, machine, figures_by_system), indent=2) + "\n")
         progress(f"wrote {args.json}")
 
 

@@ -1,10 +1,11 @@
-"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy options."""
+"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy, quantization and paging options."""
 
 import argparse
 
 import torch
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
+from engine.paged_cache import PageConfig, default_block_size
 from errors import UserError
 from models.quantized import GROUP_SIZES, QUANT_MODES
 
@@ -52,6 +53,22 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         prefix_tail=args.kv_prefix_tail,
         seed=args.seed,
     )
+
+
+def add_paging_args(p: argparse.ArgumentParser, paged_help: str) -> None:
+    g = p.add_argument_group("paged KV cache (engine/paged_cache.py)")
+    g.add_argument("--paged", action="store_true", help=paged_help)
+    g.add_argument("--block-size", type=int, help="slots per block, a power of two (default: 16; 256 on CUDA with flash-attn, its page size)")
+    g.add_argument("--kv-blocks", type=int, help="blocks in the pool (default: every row's longest case, the contiguous cache's memory)")
+
+
+def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> PageConfig | None:
+    """The paged cache's shape when this run pages its cache (--paged, or continuous batching), else None."""
+    if not paged:
+        if args.block_size is not None or args.kv_blocks is not None:
+            raise UserError("--block-size and --kv-blocks size a paged cache; add --paged (or --max-batch) or drop them")
+        return None
+    return PageConfig(default_block_size(device) if args.block_size is None else args.block_size, args.kv_blocks)
 
 
 def pick_device(name: str) -> torch.device:

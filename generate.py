@@ -2,6 +2,8 @@
 
     python generate.py --checkpoint DIR --prompt "Why is the sky blue?"
     python generate.py --checkpoint DIR -i          (a chat: /reset starts over, /exit leaves)
+    python generate.py --checkpoint DIR --prompt-file PROMPTS.txt --max-batch 8
+                                                    (continuous batching: 8 rows at a time)
 
 Only the generated text goes to stdout; the one-line summary goes to stderr.
 
@@ -21,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, add_compression_args, add_quant_args, compression_config, pick_device, pick_dtype
+from cli import DTYPES, add_compression_args, add_paging_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype
 from compression.config import CompressionConfig
 from engine.chat import Conversation
 from engine.generation import GenerationResult, Session, generate
+from engine.paged_cache import PageConfig
 from engine.sampling import SamplingConfig
+from engine.scheduler import BatchRun, Request, serve
 from engine.stop_strings import StopStrings
 from errors import UserError, run_command
 from weights.download import resolve_checkpoint
@@ -39,7 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("text", nargs="?", help="the prompt (same as --prompt)")
     p.add_argument("--checkpoint", help="model folder (config.json, safetensors, tokenizer.json) or a hub repo id already downloaded; default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--prompt", help="the prompt; without it and without --prompt-file the prompt is read from stdin")
-    p.add_argument("--prompt-file", type=Path, help="a file with one prompt per line; the lines run as one batch")
+    p.add_argument("--prompt-file", type=Path, help="a file with one prompt per line; the lines run as one batch, or --max-batch at a time")
+    p.add_argument(
+        "--max-batch", type=int,
+        help="--prompt-file: continuous batching on the paged cache, at most this many prompts at once; a finished one leaves, "
+        "the next one joins between decode steps (default: all the lines as one static batch)",
+    )
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="wrap the prompt in the checkpoint's chat template (default: when it has one)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("-i", "--interactive", action="store_true", help="chat: read one message per line from stdin; each turn prefills only what it adds")
@@ -59,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None, help="capture the decode step as a CUDA graph and replay it (default: on with CUDA)")
     add_quant_args(p)
     add_compression_args(p)
+    add_paging_args(p, "hold the KV cache in blocks, each prompt only the blocks it uses (--max-batch always does)")
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
         p.error("give the prompt either as an argument or with --prompt, not both")
@@ -67,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt and --prompt-file are exclusive")
     if args.interactive and (args.prompt is not None or args.prompt_file is not None):
         p.error("--interactive reads its messages from stdin; drop the prompt or --prompt-file")
+    if args.max_batch is not None and args.prompt_file is None:
+        p.error("--max-batch runs the prompts of --prompt-file a few at a time; add --prompt-file")
     if args.context is not None and not args.interactive:
         p.error("--context sizes an --interactive chat's cache; a one-shot run sizes it from the prompt")
     if any(not stop for stop in args.stop):
@@ -118,6 +130,7 @@ def summary(result: GenerationResult) -> str:
         f"prompt tokens: {result.prompt_tokens} | new tokens: {result.new_tokens} | "
         f"prefill: {prefill_rate:.1f} tok/s | decode: {decode_rate:.1f} tok/s | "
         f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
+        + (f" ({result.kv_peak_bytes / 2**20:.1f} MiB held at most)" if result.kv_peak_bytes < result.kv_cache_bytes else "")
         + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
     )
 
@@ -156,14 +169,21 @@ def run(args: argparse.Namespace) -> None:
     model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device, args.quant, args.group_size)
     torch.manual_seed(args.seed)
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+    pages = page_config(args, device, args.paged or args.max_batch is not None)
     with torch.inference_mode():
         if prompts is None:
-            chat(args, model, tokenizer, Session(model, 1, chat_context(args, model), tokenizer.eos_ids, sampling, compression, args.compile, cuda_graph))
+            session = Session(model, 1, chat_context(args, model), tokenizer.eos_ids, sampling, compression, args.compile, cuda_graph, pages)
+            chat(args, model, tokenizer, session)
+        elif args.max_batch is not None:
+            answer_continuously(args, model, tokenizer, prompts, sampling, compression, cuda_graph, pages)
         else:
-            answer(args, model, tokenizer, prompts, sampling, compression, cuda_graph)
+            answer(args, model, tokenizer, prompts, sampling, compression, cuda_graph, pages)
 
 
-def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool) -> None:
+def answer(
+    args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool,
+    pages: PageConfig | None,
+) -> None:
     """One run over a batch of prompts: a single answer streams, a batch prints once complete."""
     texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
     streaming = len(prompts) == 1
@@ -176,7 +196,7 @@ def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling
                     print(piece, end="", flush=True)
         return [row for row, text in enumerate(texts) if text.stops.stopped]
 
-    result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, on_tokens, compression, cuda_graph)
+    result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, on_tokens, compression, cuda_graph, pages)
     endings = [text.flush() for text in texts]
     if streaming:
         print(endings[0], flush=True)  # all of the answer before the summary, when both go to a terminal
@@ -184,6 +204,41 @@ def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling
         # A batch is printed once it is complete, answers in prompt order, a blank line apart.
         print("\n\n".join(text.text for text in texts), flush=True)
     print(summary(result), file=sys.stderr)
+
+
+def answer_continuously(
+    args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool,
+    pages: PageConfig,
+) -> None:
+    """Continuous batching: each answer is printed once it and every answer before it are
+    complete, so they come out in prompt order, a blank line apart."""
+    texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
+    done = [False] * len(prompts)
+    printed = 0
+
+    def on_token(prompt: int, token: int) -> bool:
+        texts[prompt].push(token)
+        return texts[prompt].stops.stopped
+
+    def on_done(prompt: int) -> None:
+        nonlocal printed
+        texts[prompt].flush()
+        done[prompt] = True
+        while printed < len(prompts) and done[printed]:
+            print(("\n" if printed else "") + texts[printed].text, flush=True)
+            printed += 1
+
+    requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
+    run = serve(model, requests, args.max_batch, tokenizer.eos_ids, sampling, compression, pages, args.compile, cuda_graph, on_token, on_done)
+    print(batch_summary(run), file=sys.stderr)
+
+
+def batch_summary(run: BatchRun) -> str:
+    return (
+        f"prompts: {len(run.tokens)} | prompt tokens: {run.prompt_tokens} | new tokens: {run.new_tokens} | "
+        f"{run.new_tokens / run.seconds:.1f} new tok/s over {run.seconds:.1f} s ({run.steps} steps, at most {run.most_rows} prompts at once) | "
+        f"KV cache: {run.kv_peak_bytes / 2**20:.1f} of {run.kv_cache_bytes / 2**20:.1f} MiB at its peak"
+    )
 
 
 def chat_context(args: argparse.Namespace, model) -> int:

@@ -27,6 +27,7 @@ from benchmark.workers import Loaded
 from benchmark.workload import Trial, Workload, dtype_name, progress
 from compression.manager import CompressionStats
 from engine.generation import generate
+from engine.paged_cache import PageConfig
 from weights.loader import load_model
 
 
@@ -58,9 +59,11 @@ class EngineExtras:
     compression: CompressionCost | None  # None without a KV policy
 
 
-def load_engine(w: Workload) -> Loaded:
+def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
+    """The engine on its contiguous cache, or with pages on its paged one."""
+    name = "engine" if pages is None else "engine_paged"
     quant = f", weights {w.quant_label}" if w.quant_label else ""
-    progress(f"engine: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
+    progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
     model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
     stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds
     ceilings: list[float] = []
@@ -76,7 +79,7 @@ def load_engine(w: Workload) -> Loaded:
         with torch.inference_mode():
             result = generate(
                 model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
-                compression=w.compression, cuda_graph=w.device.type == "cuda",
+                compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages,
             )
         stats.append((result.compression, result.decode_s))
         trial = Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
@@ -90,7 +93,7 @@ def load_engine(w: Workload) -> Loaded:
         compression = None if last is None else CompressionCost.of(last, decode_s)
         return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
 
-    progress("engine: warm-up run" + (", which compiles the decode step" if w.compile else ""))
+    progress(f"{name}: warm-up run" + (", which compiles the decode step" if w.compile else ""))
     measure()
     return Loaded(measure, extras)
 

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from benchmark.machine import CpuClock
 from benchmark.memory import memory_high_water, memory_in_use
-from benchmark.workload import Trial, Workload, progress
+from benchmark.workload import ServingTrial, ServingWorkload, Trial, Workload, progress
 from errors import UserError
 
 
@@ -26,7 +26,7 @@ from errors import UserError
 class Loaded:
     """A system ready to be timed, inside its worker process: model loaded, warm-up run done."""
 
-    measure: Callable[[], Trial]  # one timed run
+    measure: Callable[[], Trial | ServingTrial]  # one timed run
     extras: Callable[[], Any]  # what the parent needs besides the trials, asked for after the last one
 
 
@@ -47,14 +47,14 @@ class Finished:
 class SystemRun:
     """One system's raw measurements: its trials, and its worker process's memory figures."""
 
-    trials: list[Trial]
+    trials: list[Trial | ServingTrial]
     others_busy_cores: float | None  # the most CPU other processes took during one of the timed trials
     peak_mem_bytes: int
     base_mem_bytes: int  # the high-water mark before loading the model: interpreter and libraries
     final_mem_bytes: int | None  # held after the trials: the model and whatever the runs keep
 
 
-def serve(connection: Connection, load: Callable[..., Loaded], w: Workload, *args: Any) -> None:
+def serve(connection: Connection, load: Callable[..., Loaded], w: Workload | ServingWorkload, *args: Any) -> None:
     """A worker process's whole life: load and warm up, then one trial per request from the
     parent, then the memory figures and the system's extras. Every answer is ("ok", value) or
     the failure, which the parent raises."""
@@ -80,7 +80,7 @@ class Worker:
     """One system in a spawned Python process of its own, so that its memory high-water mark is its
     own; it runs one trial whenever asked, and waits on its pipe in between."""
 
-    def __init__(self, name: str, load: Callable[..., Loaded], w: Workload, *args: Any):
+    def __init__(self, name: str, load: Callable[..., Loaded], w: Workload | ServingWorkload, *args: Any):
         self.name = name
         context = get_context("spawn")
         self.connection, child = context.Pipe()
@@ -114,7 +114,7 @@ class Worker:
     def raise_died(self) -> NoReturn:
         raise UserError(f"the {self.name} benchmark process died before it finished (out of memory?)") from None
 
-    def trial(self) -> tuple[Trial, float | None]:
+    def trial(self) -> tuple[Trial | ServingTrial, float | None]:
         return self.ask("trial")
 
     def finish(self) -> Finished:
@@ -129,7 +129,7 @@ class Worker:
             self.process.join()
 
 
-def timed_in_turn(w: Workload, systems: dict[str, System]) -> dict[str, tuple[SystemRun, Any]]:
+def timed_in_turn(w: Workload | ServingWorkload, systems: dict[str, System]) -> dict[str, tuple[SystemRun, Any]]:
     """Every system's trials, taken in turn: round i runs one trial of each, starting with the
     i-th system. The machine's speed drifts over minutes; taken in turn, that drift falls on
     every system alike instead of on whichever ran last. The systems load and warm up one after
@@ -139,12 +139,12 @@ def timed_in_turn(w: Workload, systems: dict[str, System]) -> dict[str, tuple[Sy
         for name, (load, args) in systems.items():
             workers[name] = Worker(name, load, w, *args)
         names = list(workers)
-        done: dict[str, list[tuple[Trial, float | None]]] = {name: [] for name in names}
+        done: dict[str, list[tuple[Trial | ServingTrial, float | None]]] = {name: [] for name in names}
         for i in range(w.trials):
             for name in names[i % len(names):] + names[: i % len(names)]:
                 trial, others_busy = workers[name].trial()
                 done[name].append((trial, others_busy))
-                progress(f"{name}: trial {i + 1}/{w.trials}: TTFT {trial.ttft_s:.4f} s, decode {trial.decode_tok_s:.1f} tok/s")
+                progress(f"{name}: trial {i + 1}/{w.trials}: {trial.summary}")
         runs = {}
         for name, worker in workers.items():
             finished = worker.finish()

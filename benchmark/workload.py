@@ -1,7 +1,8 @@
-"""What every system is asked to do (a Workload) and what one timed run of it gives back (a Trial).
+"""What every system is asked to do (a Workload) and what one timed run of it gives back (a Trial);
+for bench.py --workload, a ServingWorkload and a ServingTrial.
 
-The prompt is `batch` rows of random token ids, the same for every system; no EOS stops a run,
-so every run makes exactly `new_tokens` tokens per row.
+The prompts are random token ids, the same for every system; no EOS stops a run, so every run
+makes exactly the new tokens asked of each prompt.
 """
 
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from compression.config import CompressionConfig
+from engine.paged_cache import PageConfig
+from engine.scheduler import Request
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class Trial:
     decode_tok_s: float
     kv_cache_bytes: int
 
+    @property
+    def summary(self) -> str:
+        return f"TTFT {self.ttft_s:.4f} s, decode {self.decode_tok_s:.1f} tok/s"
+
 
 def progress(message: str) -> None:
     """Progress goes to stderr, so that stdout carries the report alone."""
@@ -58,3 +65,51 @@ def progress(message: str) -> None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ServingWorkload:
+    """bench.py --workload: many prompts of mixed lengths, each with its own number of new tokens,
+    answered max_batch at a time."""
+
+    checkpoint: Path
+    dtype: torch.dtype
+    device: torch.device
+    requests: list[Request]
+    max_batch: int
+    trials: int
+    compile: bool  # the engine's decode step
+    compression: CompressionConfig  # the engine's KV policy, in both of its batchings
+    pages: PageConfig  # continuous batching's cache; n_blocks None: static batching's memory
+    quant: str = "none"
+    group_size: int = 32
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.max_new_tokens for r in self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def row_slots(self) -> int:
+        """The slots per row static batching allocates: the longest prompt and the most new tokens,
+        one cache shape for every batch (one compiled step)."""
+        return self.compression.slots_needed(max(len(r.prompt) for r in self.requests), max(r.max_new_tokens for r in self.requests))
+
+
+@dataclass(frozen=True)
+class ServingTrial:
+    seconds: float  # from the first prefill to the last answer
+    new_tokens: int  # the tokens asked for, each prompt's own: a batch's longer rows make no extra useful token
+    kv_peak_bytes: int  # the most KV cache memory held at once
+    most_rows: int  # the most prompts decoded at once
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+    @property
+    def summary(self) -> str:
+        return f"{self.seconds:.1f} s, {self.tok_s:.1f} tok/s, KV peak {self.kv_peak_bytes / 2**20:.0f} MiB, {self.most_rows} rows at most"

@@ -286,12 +286,18 @@ def generate(
     compression: CompressionConfig = CompressionConfig(),
     cuda_graph: bool = False,
     pages: PageConfig | None = None,
+    n_slots: int | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
     the prompt + budget_max + window slots only, and is compacted whenever it is full. With
-    pages, the cache is paged: each row holds only the blocks its own slots need."""
+    pages, the cache is paged: each row holds only the blocks its own slots need. n_slots sizes
+    the cache's rows (default: what this run needs), so that runs of several sizes can share one
+    shape, hence one compiled step."""
     check_lengths(model, prompts, max_new_tokens)
-    n_slots = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
+    needed = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
+    if n_slots is not None and n_slots < needed:
+        raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
+    n_slots = needed if n_slots is None else n_slots
     session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph, pages)
 
     start = time.perf_counter()

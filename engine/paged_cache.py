@@ -18,14 +18,26 @@ import torch
 
 from errors import UserError
 from models.config import ModelConfig
+from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
 
 SCRATCH_BLOCK = 0
+
+
+def default_block_size(device: torch.device) -> int:
+    """16 slots; on CUDA with flash-attn, the page size it reads through a block table."""
+    return FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash_attn_with_kvcache is not None else 16
 
 
 @dataclass(frozen=True)
 class PageConfig:
     block_size: int = 16  # slots per block, a power of two (flash-attn reads pages of multiples of 256)
     n_blocks: int | None = None  # the pool; None: enough for every row's whole table
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserError(f"the block size must be a power of two, got {self.block_size}")
+        if self.n_blocks is not None and self.n_blocks < 1:
+            raise UserError(f"the paged cache needs at least one block, got {self.n_blocks}")
 
 
 @dataclass
@@ -48,13 +60,9 @@ class PagedKVCache:
     ) -> "PagedKVCache":
         """A table of up to n_slots slots per row; a pool of pages.n_blocks blocks (default: enough
         for every row's whole table, the contiguous cache's memory) plus the scratch block."""
-        block_size, n_blocks = pages.block_size, pages.n_blocks
-        if block_size < 1 or block_size & (block_size - 1):
-            raise UserError(f"the block size must be a power of two, got {block_size}")
+        block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
-        n_blocks = batch * max_blocks if n_blocks is None else n_blocks
-        if n_blocks < 1:
-            raise UserError(f"the paged cache needs at least one block, got {n_blocks}")
+        n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(

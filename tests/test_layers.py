@@ -15,7 +15,7 @@ ALLOWED = {
     "compression": {"errors", "models"},
     "engine": {"errors", "models", "compression"},
     "weights": {"errors", "models"},
-    "cli": {"errors", "models", "compression"},
+    "cli": {"errors", "models", "compression", "engine"},
     "benchmark": {"errors", "cli", "models", "compression", "engine", "weights"},
     "evaluation": {"errors", "cli", "models", "compression", "engine", "weights"},
     "generate": {"errors", "cli", "models", "compression", "engine", "weights"},

@@ -60,7 +60,9 @@ def test_a_row_past_its_table_or_a_full_pool_gets_a_clear_error():
     with pytest.raises(UserError, match="all in use"):
         cache.reserve(1, 8)
     with pytest.raises(UserError, match="power of two"):
-        PagedKVCache.allocate(tiny_config(), 1, 8, torch.float32, CPU, PageConfig(block_size=6))
+        PageConfig(block_size=6)
+    with pytest.raises(UserError, match="at least one block"):
+        PageConfig(n_blocks=0)
 
 
 def test_gathered_pages_hold_each_rows_slots_in_order():

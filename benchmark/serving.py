@@ -1,0 +1,202 @@
+"""The serving workload (bench.py --workload): many prompts of mixed lengths, each with its own
+number of new tokens, answered max_batch at a time by three systems in turn:
+
+- engine_continuous: engine.scheduler.serve, continuous batching on the paged cache, whose pool
+  holds as many bytes as engine_static's cache unless --kv-blocks says otherwise;
+- engine_static: the same prompts in batches of max_batch, in order, each batch one
+  engine.generation.generate on the contiguous cache; a batch ends when its longest answer does;
+- transformers: the same batches through transformers' generate, left-padded, each batch to its
+  most new tokens (its rows cannot stop on their own without EOS).
+
+Throughput counts each prompt's own new tokens only, over the whole run (prefills included);
+KV peak is the most cache memory held at once.
+"""
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from benchmark.machine import Machine, synchronize
+from benchmark.report import MIB, number, table
+from benchmark.workers import Loaded, System, SystemRun, timed_in_turn
+from benchmark.workload import ServingTrial, ServingWorkload, dtype_name, progress
+from engine.generation import generate
+from engine.paged_cache import PageConfig
+from engine.scheduler import Request, serve
+from weights.loader import load_model
+
+
+def random_requests(vocab_size: int, n: int, prompt_lens: tuple[int, int], new_tokens: tuple[int, int], seed: int) -> list[Request]:
+    """n prompts of random token ids, their lengths and new tokens drawn uniformly from the ranges (inclusive)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    requests = []
+    for _ in range(n):
+        length, new = draw(*prompt_lens), draw(*new_tokens)
+        requests.append(Request(torch.randint(vocab_size, (length,), generator=generator).tolist(), new))
+    return requests
+
+
+def batches(w: ServingWorkload) -> list[list[Request]]:
+    return [w.requests[i : i + w.max_batch] for i in range(0, len(w.requests), w.max_batch)]
+
+
+def pool_pages(w: ServingWorkload) -> PageConfig:
+    """Continuous batching's pool: --kv-blocks, else the blocks of static batching's cache bytes."""
+    if w.pages.n_blocks is not None:
+        return w.pages
+    return PageConfig(w.pages.block_size, w.max_batch * w.row_slots // w.pages.block_size)
+
+
+def load_engine_continuous(w: ServingWorkload) -> Loaded:
+    progress(f"engine_continuous: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
+    pages = pool_pages(w)
+
+    def measure() -> ServingTrial:
+        with torch.inference_mode():
+            run = serve(model, w.requests, w.max_batch, frozenset(), compression=w.compression, pages=pages, compile=w.compile,
+                        cuda_graph=w.device.type == "cuda")
+        synchronize(w.device)
+        return ServingTrial(run.seconds, run.new_tokens, run.kv_peak_bytes, run.most_rows)
+
+    progress("engine_continuous: warm-up run" + (", which compiles the decode step" if w.compile else ""))
+    measure()
+    return Loaded(measure, lambda: None)
+
+
+def load_engine_static(w: ServingWorkload) -> Loaded:
+    progress(f"engine_static: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
+
+    def run_batch(batch: list[Request]) -> tuple[int, int]:
+        """One batch to its end; each row stops at its own token count. Returns its new tokens and cache bytes."""
+        limits = [r.max_new_tokens for r in batch]
+        made = [0] * len(batch)
+
+        def stop_at_limit(tokens: list[int | None]) -> list[int]:
+            for row, token in enumerate(tokens):
+                made[row] += token is not None
+            return [row for row in range(len(batch)) if made[row] >= limits[row]]
+
+        result = generate(
+            model, [r.prompt for r in batch], max(limits), eos_ids=frozenset(), compile=w.compile, on_tokens=stop_at_limit,
+            compression=w.compression, cuda_graph=w.device.type == "cuda", n_slots=w.row_slots,
+        )
+        return result.new_tokens, result.kv_peak_bytes
+
+    def measure() -> ServingTrial:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            done = [run_batch(batch) for batch in batches(w)]
+        synchronize(w.device)
+        return ServingTrial(time.perf_counter() - start, sum(n for n, _ in done), max(kv for _, kv in done), w.max_batch)
+
+    progress("engine_static: warm-up run" + (", which compiles the decode step" if w.compile else ""))
+    measure()
+    return Loaded(measure, lambda: None)
+
+
+def load_transformers_batched(w: ServingWorkload) -> Loaded:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    progress(f"transformers: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=w.dtype).to(w.device).eval()
+
+    def run_batch(batch: list[Request]) -> tuple[int, int]:
+        longest = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[0] * (longest - len(r.prompt)) + r.prompt for r in batch], device=w.device)  # left-padded
+        mask = torch.tensor([[0] * (longest - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=w.device)
+        n = max(r.max_new_tokens for r in batch)
+        out: Any = model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, return_dict_in_generate=True
+        )
+        kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
+        return sum(r.max_new_tokens for r in batch), kv_bytes
+
+    def measure() -> ServingTrial:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            done = [run_batch(batch) for batch in batches(w)]
+        synchronize(w.device)
+        return ServingTrial(time.perf_counter() - start, sum(n for n, _ in done), max(kv for _, kv in done), w.max_batch)
+
+    progress("transformers: warm-up run")
+    measure()
+    return Loaded(measure, lambda: None)
+
+
+@dataclass(frozen=True)
+class ServingFigures:
+    tok_s: float  # median over the trials
+    seconds: float
+    kv_peak_mib: float
+    most_rows: int
+    peak_mem_mib: float
+    tok_s_trials: list[float]
+
+    @classmethod
+    def of(cls, run: SystemRun) -> "ServingFigures":
+        trials = run.trials
+        middle = sorted(trials, key=lambda t: t.tok_s)[len(trials) // 2]
+        return cls(
+            statistics.median(t.tok_s for t in trials), statistics.median(t.seconds for t in trials), middle.kv_peak_bytes / MIB,
+            max(t.most_rows for t in trials), run.peak_mem_bytes / MIB, [t.tok_s for t in trials],
+        )
+
+
+def measure_serving(w: ServingWorkload, compare: str) -> dict[str, ServingFigures]:
+    systems: dict[str, System] = {"engine_continuous": (load_engine_continuous, ()), "engine_static": (load_engine_static, ())}
+    if compare == "transformers":
+        systems["transformers"] = (load_transformers_batched, ())
+    return {name: ServingFigures.of(run) for name, (run, _) in timed_in_turn(w, systems).items()}
+
+
+def describe_serving(w: ServingWorkload, machine: Machine) -> str:
+    lengths = [len(r.prompt) for r in w.requests]
+    new = [r.max_new_tokens for r in w.requests]
+    device = machine.accelerator or f"{machine.cpu}, {machine.cores} cores"
+    policy = "" if not w.compression.enabled else f" | KV policy {w.compression.policy}, budget {w.compression.budget}"
+    return "\n".join([
+        f"machine: {device} | torch {machine.torch}, {machine.threads} threads",
+        f"model: {w.checkpoint.name}, {dtype_name(w.dtype)} on {w.device}{', compiled decode step' if w.compile else ''}{policy}",
+        f"workload: {len(w.requests)} prompts of {min(lengths)}-{max(lengths)} tokens ({w.prompt_tokens} in all), "
+        f"{min(new)}-{max(new)} new tokens each ({w.new_tokens} in all), at most {w.max_batch} at once | "
+        f"pool of {pool_pages(w).n_blocks} blocks of {w.pages.block_size} slots | median of {w.trials} trials",
+    ])
+
+
+def print_serving(w: ServingWorkload, machine: Machine, figures: dict[str, ServingFigures]) -> None:
+    names = list(figures)
+    rows = [
+        ["throughput (new tok/s)", *(number(figures[n].tok_s) for n in names)],
+        ["whole run (s)", *(number(figures[n].seconds) for n in names)],
+        ["KV cache at its peak (MiB)", *(number(figures[n].kv_peak_mib) for n in names)],
+        ["most prompts at once", *(str(figures[n].most_rows) for n in names)],
+        ["process peak memory (MiB)", *(number(figures[n].peak_mem_mib) for n in names)],
+    ]
+    print(describe_serving(w, machine), table(["", *names], rows), sep="\n\n")
+    continuous = figures["engine_continuous"]
+    for name in names[1:]:
+        print(f"engine_continuous/{name}: throughput {continuous.tok_s / figures[name].tok_s:.2f}x")
+    print(flush=True)
+
+
+def serving_json(w: ServingWorkload, machine: Machine, figures: dict[str, ServingFigures]) -> dict[str, Any]:
+    return {
+        "machine": asdict(machine),
+        "config": {
+            "checkpoint": str(w.checkpoint), "dtype": dtype_name(w.dtype), "device": str(w.device), "compile": w.compile,
+            "max_batch": w.max_batch, "trials": w.trials, "block_size": w.pages.block_size, "pool_blocks": pool_pages(w).n_blocks,
+            "prompt_lengths": [len(r.prompt) for r in w.requests], "new_tokens": [r.max_new_tokens for r in w.requests],
+            "kv_policy": asdict(w.compression), "quant": w.quant,
+        },
+        **{name: asdict(f) for name, f in figures.items()},
+    }
