@@ -10,6 +10,10 @@ from tiny_tokenizer import write_tiny_tokenizer
 
 IM_END = 386  # the tiny tokenizer's <|im_end|>
 
+# One process compiles the decode step for dozens of cache shapes here (a command compiles one
+# or two); past dynamo's default of 8 versions per function, fullgraph=True fails outright.
+torch._dynamo.config.recompile_limit = 64
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
