@@ -302,3 +302,61 @@ def test_llama_cpp_traffic_is_its_files_tensors(tiny_checkpoint, tmp_path):
     traffic = gguf_traffic(path, engine)
     assert traffic.weight_bytes == sum(sizes.values()) - sizes["token_embd.weight"]
     assert (traffic.batch, traffic.kv_bytes_per_slot, traffic.mean_slots) == (1, 10, 3.5)
+
+
+def test_the_serving_workload_reports_each_system_on_the_same_prompts(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    out = tmp_path / "serving.json"
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--workload", "5", "--workload-prompt-len", "4-20", "--workload-new-tokens", "3-9"]
+    argv += ["--max-batch", "2", "--block-size", "4", "--trials", "1", "--compare", "transformers", "--no-compile", "--json", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    config = data["config"]
+    lengths, new_tokens = config["prompt_lengths"], config["new_tokens"]
+    assert len(lengths) == 5 and all(4 <= n <= 20 for n in lengths) and all(3 <= n <= 9 for n in new_tokens)
+    c = json.loads((folder / "config.json").read_text())
+    kv_per_slot = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    row_slots = max(lengths) + max(new_tokens)
+    # Static batching holds max_batch rows of the longest case; continuous batching's pool is as large.
+    assert data["engine_static"]["kv_peak_mib"] * 2**20 == 2 * row_slots * kv_per_slot
+    assert config["pool_blocks"] == 2 * row_slots // 4
+    assert data["engine_continuous"]["kv_peak_mib"] * 2**20 <= config["pool_blocks"] * 4 * kv_per_slot
+    for name in ("engine_continuous", "engine_static", "transformers"):
+        figures = data[name]
+        assert figures["tok_s"] == pytest.approx(sum(new_tokens) / figures["seconds"])
+        assert 1 <= figures["most_rows"] <= 2
+    assert "engine_continuous/engine_static: throughput" in stdout.getvalue()
+
+
+def test_the_paged_engine_runs_beside_the_contiguous_one(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint("llama")
+    out = tmp_path / "bench.json"
+    argv = ["--checkpoint", str(folder), "--dtype", "float32", "--prompt-len", "9", "--new-tokens", "4", "--trials", "1", "--compare", "none"]
+    argv += ["--no-compile", "--paged", "--block-size", "4", "--json", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert "engine/engine_paged" in data["ratios"]
+    # The pool: the row's 13 slots in 4 blocks of 4, and the scratch block.
+    assert data["engine_paged"]["kv_cache_mib"] / data["engine"]["kv_cache_mib"] == pytest.approx(5 * 4 / 13)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workload", "0"], "--workload must be >= 1"),
+        (["--workload", "4", "--workload-prompt-len", "32"], "takes MIN-MAX"),
+        (["--workload", "4", "--workload-new-tokens", "9-3"], "1 <= MIN <= MAX"),
+        (["--workload", "4", "--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--workload", "4", "--prompt-len", "8"], "drop --sweep, --prompt-len"),
+        (["--workload", "4", "--workload-prompt-len", "500-510"], "exceed the model's 512 positions"),
+        (["--block-size", "4"], "add --paged"),
+    ],
+)
+def test_bad_workload_and_paging_values_are_one_clear_error(tiny_checkpoint, capsys, argv, message):
+    folder, _ = tiny_checkpoint("llama")
+    assert bench.main(["--checkpoint", str(folder), *argv]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last

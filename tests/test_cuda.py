@@ -84,3 +84,41 @@ def test_graph_replay_of_a_quantized_model_equals_eager(mode, tiny_checkpoint):
     eager = generate(model, prompts, 30, eos_ids=frozenset()).tokens
     graphed = generate(model, prompts, 30, eos_ids=frozenset(), cuda_graph=True).tokens
     assert graphed == eager
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn (the cuda extra)")
+def test_flash_decode_through_the_block_table_equals_sdpa_on_the_contiguous_cache(tiny_checkpoint):
+    """Pages of 256 slots, read by flash-attn through the block table; fed the same tokens."""
+    from engine.decode import decode_step, prefill
+    from engine.kv_cache import KVCache
+    from engine.paged_cache import PageConfig, PagedKVCache
+    from engine.sampling import SamplingConfig
+
+    model = load_model(tiny_checkpoint("qwen3")[0], torch.bfloat16, CUDA)
+    prompts = prompts_of([9, 300, 17], seed=4)
+    forced = torch.tensor(prompts_of([24, 24, 24], seed=5), device=CUDA).T  # [steps, B]
+
+    def decode_logits(cache) -> torch.Tensor:
+        prefill(model, cache, prompts)
+        finished, eos = torch.zeros(3, dtype=torch.bool, device=CUDA), torch.tensor([-1], device=CUDA)
+        return torch.stack([decode_step(model, cache, fed.clone(), finished, eos, SamplingConfig()) for fed in forced]).float()
+
+    paged = PagedKVCache.allocate(model.config, 3, 512, torch.bfloat16, CUDA, PageConfig(block_size=256))
+    for row, prompt in enumerate(prompts):
+        paged.reserve(row, len(prompt) + len(forced))
+    with_pages = decode_logits(paged)
+    with_sdpa = decode_logits(KVCache.allocate(model.config, 3, 512, torch.bfloat16, CUDA))
+    assert (with_pages - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
+
+
+@pytest.mark.parametrize("policy", ["none", "beacon"])
+def test_graph_replay_of_continuous_batching_equals_eager(policy, tiny_checkpoint):
+    from engine.paged_cache import PageConfig
+    from engine.scheduler import Request, serve
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
+    requests = [Request(p, n) for p, n in zip(prompts_of([5, 40, 12, 3, 27], seed=6), [10, 30, 5, 20, 8])]
+    config = CompressionConfig(policy=policy, budget=6, hysteresis=3, window=3, n_beacon=4, n_recent=4)
+    eager = serve(model, requests, 2, frozenset(), compression=config, pages=PageConfig(block_size=4))
+    graphed = serve(model, requests, 2, frozenset(), compression=config, pages=PageConfig(block_size=4), cuda_graph=True)
+    assert graphed.tokens == eager.tokens

@@ -181,3 +181,50 @@ def test_a_folder_without_config_json_exits_2(chat_checkpoint, capsys, tmp_path)
     (folder / "config.json").unlink()
     code, _, err = run_main(capsys, "--checkpoint", str(folder), "--prompt", "x")
     assert code == 2 and "has no config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--max-batch", "2"], ["--max-batch", "2", "--kv-policy", "beacon", "--kv-budget", "4", "--kv-hysteresis", "2", "--kv-window", "2"]])
+def test_continuous_batching_prints_the_answers_of_one_static_batch_in_prompt_order(chat_checkpoint, capsys, tmp_path, flags):
+    """More prompts than rows: each answer equals the one static batching gives it, in prompt order."""
+    prompts = ["first question", "a second, longer question about foxes and dogs", "third", "the fourth one", "five"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    common = ["--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0"]
+    policy = flags[2:]
+    _, static, _ = run_main(capsys, *common, *policy)
+    code, out, err = run_main(capsys, *common, *flags)
+    assert code == 0 and out == static
+    assert "prompts: 5" in err and "at most 2 prompts at once" in err and "KV cache:" in err
+
+
+def test_the_paged_cache_gives_the_answers_of_the_contiguous_one(chat_checkpoint, capsys, tmp_path):
+    prompts = ["first question", "a second, longer question about foxes"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    common = ["--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0"]
+    _, contiguous, _ = run_main(capsys, *common)
+    code, paged, err = run_main(capsys, *common, "--paged", "--block-size", "4")
+    assert code == 0 and paged == contiguous and "held at most" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "hi", "--block-size", "8"], "add --paged"),
+        (["--prompt", "hi", "--paged", "--block-size", "12"], "power of two"),
+        (["--prompt", "hi", "--paged", "--kv-blocks", "0"], "at least one block"),
+    ],
+)
+def test_bad_paging_options_exit_2_with_one_line(chat_checkpoint, capsys, argv, message):
+    code, _, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_max_batch_without_a_prompt_file_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit:
+        generate.parse_args(["--prompt", "hi", "--max-batch", "2"])
+    assert exit.value.code == 2 and "add --prompt-file" in capsys.readouterr().err
+
+
+def test_continuous_batching_with_too_small_a_pool_says_so(chat_checkpoint, capsys, tmp_path):
+    (tmp_path / "prompts.txt").write_text("a question\nanother\n")
+    code, _, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-batch", "2", "--kv-blocks", "1", "--block-size", "4")
+    assert code == 2 and "give the pool more blocks" in err
