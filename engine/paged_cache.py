@@ -48,7 +48,7 @@ class PagedKVCache:
     length: torch.Tensor  # [B] int64 slots in use
     position: torch.Tensor  # [B] int64 absolute position of the next token
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
-    slot_ids: torch.Tensor  # [max_blocks * block_size] 0..S-1
+    slot_ids: torch.Tensor  # [S] 0..S-1, S the slots a row may hold (its table's blocks hold up to a block more)
     free: list[int]  # host: the blocks no row holds, handed out from the end
     rows: list[list[int]]  # host: each row's blocks, in slot order
     peak_blocks: int = 0  # host: the most blocks held at once
@@ -58,8 +58,9 @@ class PagedKVCache:
         cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
         pages: PageConfig = PageConfig(),
     ) -> "PagedKVCache":
-        """A table of up to n_slots slots per row; a pool of pages.n_blocks blocks (default: enough
-        for every row's whole table, the contiguous cache's memory) plus the scratch block."""
+        """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
+        pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
+        cache's memory) plus the scratch block."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
@@ -70,7 +71,7 @@ class PagedKVCache:
             torch.zeros(shape, dtype=dtype, device=device),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters,
-            torch.arange(max_blocks * block_size, device=device),
+            torch.arange(n_slots, device=device),
             list(range(n_blocks, 0, -1)),
             [[] for _ in range(batch)],
         )
@@ -81,8 +82,9 @@ class PagedKVCache:
 
     @property
     def n_slots(self) -> int:
-        """The most slots one row can hold: its table's length in slots."""
-        return self.block_table.shape[1] * self.block_size
+        """The most slots one row can hold; the whole-cache read covers exactly these, as the
+        contiguous cache's does, so that both attend over the same shape."""
+        return self.slot_ids.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +105,8 @@ class PagedKVCache:
         return self.peak_blocks * self.block_bytes
 
     def view(self, n_slots: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What attention reads for the first n_slots slots of each row (None: the whole table)."""
+        """What attention reads for the first n_slots slots of each row (None: all n_slots of them);
+        the model reads as many slots as its mask covers."""
         if n_slots is None:
             return self.k, self.v, self.block_table
         return self.k, self.v, self.block_table[:, : -(-n_slots // self.block_size)]
@@ -120,7 +123,7 @@ class PagedKVCache:
     def reserve(self, row: int, n_slots: int) -> None:
         """Give the row blocks until its table covers n_slots slots."""
         if n_slots > self.n_slots:
-            raise UserError(f"a row needs {n_slots} slots but its block table holds {self.n_slots}; allocate the cache for longer rows")
+            raise UserError(f"a row needs {n_slots} slots but the paged cache's rows hold {self.n_slots}; allocate the cache for longer rows")
         blocks = self.rows[row]
         while len(blocks) * self.block_size < n_slots:
             if not self.free:

@@ -36,7 +36,7 @@ def tiny_config(n_kv_heads: int = 2) -> ModelConfig:
 
 def test_blocks_are_handed_out_as_rows_grow_and_all_come_back():
     cache = PagedKVCache.allocate(tiny_config(), 2, 10, torch.float32, CPU, PageConfig(block_size=4, n_blocks=5))
-    assert cache.block_table.shape == (2, 3) and cache.n_slots == 12
+    assert cache.block_table.shape == (2, 3) and cache.n_slots == 10
     cache.reserve(0, 5)  # two blocks
     cache.reserve(1, 4)  # one
     cache.reserve(0, 8)  # still two
@@ -54,7 +54,7 @@ def test_blocks_are_handed_out_as_rows_grow_and_all_come_back():
 
 def test_a_row_past_its_table_or_a_full_pool_gets_a_clear_error():
     cache = PagedKVCache.allocate(tiny_config(), 2, 8, torch.float32, CPU, PageConfig(block_size=4, n_blocks=3))
-    with pytest.raises(UserError, match="block table holds 8"):
+    with pytest.raises(UserError, match="rows hold 8"):
         cache.reserve(0, 9)
     cache.reserve(0, 8)
     with pytest.raises(UserError, match="all in use"):
