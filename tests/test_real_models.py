@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from compression.config import CompressionConfig
 from engine.decode import prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
+from engine.paged_cache import PageConfig
+from engine.scheduler import Request, serve
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
 
@@ -70,3 +73,23 @@ def test_generate_py_with_no_checkpoint_gives_the_golden_answer():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "The capital of France is Paris.\n"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen-coder"])
+def test_the_paged_cache_and_continuous_batching_give_the_contiguous_engines_tokens(name, packaged_model):
+    """Same prompts, with and without a KV policy: the paged cache in bfloat16 (the same values in
+    the same shapes), continuous batching two rows at a time in float32 (in bfloat16 a batch's
+    composition changes the products' rounding, for the contiguous engine alike)."""
+    _, folder = packaged_model(name)
+    tokenizer = Tokenizer.from_dir(folder)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS] + [tokenizer.encode(p) for p in PLAIN]
+    policies = [CompressionConfig(), CompressionConfig(policy="beacon", budget=24, hysteresis=8, window=8)]
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_model(folder, dtype, CPU)
+        for compression in policies:
+            contiguous = generate(model, prompts, 48, eos_ids=frozenset(), compression=compression).tokens
+            if dtype == torch.bfloat16:
+                assert generate(model, prompts, 48, eos_ids=frozenset(), compression=compression, pages=PageConfig()).tokens == contiguous
+            else:
+                requests = [Request(p, 48) for p in prompts]
+                assert serve(model, requests, 2, frozenset(), compression=compression).tokens == contiguous
