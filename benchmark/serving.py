@@ -14,7 +14,9 @@ KV peak is the most cache memory held at once.
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +47,16 @@ def random_requests(vocab_size: int, n: int, prompt_lens: tuple[int, int], new_t
 
 def batches(w: ServingWorkload) -> list[list[Request]]:
     return [w.requests[i : i + w.max_batch] for i in range(0, len(w.requests), w.max_batch)]
+
+
+def batch_by_batch(w: ServingWorkload, run_batch: Callable[[list[Request]], tuple[int, int]]) -> ServingTrial:
+    """One trial of a static batching system: its batches in order, each run by run_batch, which
+    returns the batch's new tokens and its cache's bytes."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        done = [run_batch(batch) for batch in batches(w)]
+    synchronize(w.device)
+    return ServingTrial(time.perf_counter() - start, sum(n for n, _ in done), max(kv for _, kv in done), w.max_batch)
 
 
 def pool_pages(w: ServingWorkload) -> PageConfig:
@@ -91,13 +103,7 @@ def load_engine_static(w: ServingWorkload) -> Loaded:
         )
         return result.new_tokens, result.kv_peak_bytes
 
-    def measure() -> ServingTrial:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            done = [run_batch(batch) for batch in batches(w)]
-        synchronize(w.device)
-        return ServingTrial(time.perf_counter() - start, sum(n for n, _ in done), max(kv for _, kv in done), w.max_batch)
-
+    measure = partial(batch_by_batch, w, run_batch)
     progress("engine_static: warm-up run" + (", which compiles the decode step" if w.compile else ""))
     measure()
     return Loaded(measure, lambda: None)
@@ -121,13 +127,7 @@ def load_transformers_batched(w: ServingWorkload) -> Loaded:
         kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
         return sum(r.max_new_tokens for r in batch), kv_bytes
 
-    def measure() -> ServingTrial:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            done = [run_batch(batch) for batch in batches(w)]
-        synchronize(w.device)
-        return ServingTrial(time.perf_counter() - start, sum(n for n, _ in done), max(kv for _, kv in done), w.max_batch)
-
+    measure = partial(batch_by_batch, w, run_batch)
     progress("transformers: warm-up run")
     measure()
     return Loaded(measure, lambda: None)

@@ -29,6 +29,12 @@ class Cache(Protocol):
     def row(self, b: int) -> "Cache": ...
 
 
+def slot_shape(cache: Cache) -> tuple[int, int, int, int, int]:
+    """(L, B, H_kv, S, D): the cache's slots as the contiguous layout holds them, in either layout."""
+    L, _, H_kv, _, D = cache.k.shape
+    return L, cache.length.shape[0], H_kv, cache.n_slots, D
+
+
 def layer_keys(cache: Cache, layer: int, n_slots: int) -> torch.Tensor:
     """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
     if cache.block_table is None:

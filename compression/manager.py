@@ -9,9 +9,10 @@ everything else happens between steps.
 import math
 import time
 from dataclasses import dataclass, field
+
 import torch
 
-from compression.cache import Cache, all_keys, layer_keys
+from compression.cache import Cache, all_keys, layer_keys, slot_shape
 from compression.compaction import compact_cache
 from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.fps import farthest_point_sampling
@@ -57,7 +58,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 
 class CompressionManager:
     def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        L, B, H_kv, _, D = self.cache_shape(cache)
+        L, B, H_kv, _, D = slot_shape(cache)
         self.config = config
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
@@ -88,14 +89,8 @@ class CompressionManager:
     def track_received_attention(self) -> None:
         """Accumulate H2O's statistic from the next step on (H2O's own manager does from the start;
         the evaluation's full-cache recorder does it so that H2O can resume from its snapshots)."""
-        L, B, H_kv, S, _ = self.cache_shape(self.cache)
+        L, B, H_kv, S, _ = slot_shape(self.cache)
         self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.k.device)
-
-    @staticmethod
-    def cache_shape(cache: Cache) -> tuple[int, int, int, int, int]:
-        """(L, B, H_kv, S, D) of the cache's slots, in either layout."""
-        L, _, H_kv, _, D = cache.k.shape
-        return L, cache.length.shape[0], H_kv, cache.n_slots, D
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
@@ -143,7 +138,7 @@ class CompressionManager:
         cache, config = self.cache, self.config
         if not config.prefix_budget:
             return
-        L, B, H_kv, _, D = self.cache_shape(cache)
+        L, B, H_kv, _, D = slot_shape(cache)
         T = int(cache.prompt_length.max())
         self.prefix_positions = torch.arange(T, device=cache.k.device).expand(L, B, H_kv, T).clone()
         for b, P in enumerate(cache.prompt_length.tolist()):
@@ -242,7 +237,7 @@ class CompressionManager:
         start = time.perf_counter()
         cache, config = self.cache, self.config
         n_candidates = self.generated - config.window
-        L, B, H_kv, _, D = self.cache_shape(cache)
+        L, B, H_kv, _, D = slot_shape(cache)
         offsets = torch.arange(n_candidates, device=cache.k.device)
         candidate_slots = cache.prompt_length[:, None] + offsets  # [B, C]
         beacon_cos, beacon_sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]: beacons vote from now
@@ -289,7 +284,7 @@ class CompressionManager:
         recorded; every slot after them was written in order, one position per step.
         """
         cache = self.cache
-        L, B, H_kv, S, _ = self.cache_shape(cache)
+        L, B, H_kv, S, _ = slot_shape(cache)
         slots = torch.arange(S, device=cache.k.device)
         positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
         positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)

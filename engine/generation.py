@@ -222,7 +222,8 @@ class Session:
         self._lengths_changed()
 
     def stop_rows(self, rows: Iterable[int]) -> None:
-        """From the host, between steps: these rows emit EOS from now on."""
+        """From the host, between steps: these rows are done; the step feeds them their last token
+        again from now on, and nothing reads what they emit."""
         for row in rows:
             self.finished[row] = True
 
