@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from models.pages import gather_pages
+from models.pages import gather_pages, read_pages
 
 
 class Cache(Protocol):
@@ -39,11 +39,11 @@ def layer_keys(cache: Cache, layer: int, n_slots: int) -> torch.Tensor:
     """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
     if cache.block_table is None:
         return cache.k[layer, :, :, :n_slots]
-    return gather_pages(cache.k[layer], cache.block_table, n_slots)
+    return gather_pages(cache.k[layer], read_pages(cache.block_table, n_slots, cache.k.shape[2], cache.k.shape[3]))
 
 
 def all_keys(cache: Cache) -> torch.Tensor:
     """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
     if cache.block_table is None:
         return cache.k
-    return gather_pages(cache.k, cache.block_table, cache.n_slots)
+    return gather_pages(cache.k, read_pages(cache.block_table, cache.n_slots, cache.k.shape[2], cache.k.shape[3]))

@@ -17,7 +17,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.linear import Linear
-from models.pages import gather_pages, page_address
+from models.pages import Pages, gather_pages, page_address, read_pages
 from models.rope import apply_rope, rope_cos_sin, rope_tables
 
 
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         layer: int,  # this layer's index in the cache
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor | None,  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T
-        block_table: torch.Tensor | None = None,  # [B, >= S / block]: a paged cache's blocks of each row
+        pages: Pages | None = None,  # with a paged cache: its block table, and where the slots read lie
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output [B, T, C] and the queries before RoPE [B, H, T, D] (for compression)."""
         B, T, _ = x.shape
@@ -75,16 +75,16 @@ class Attention(nn.Module):
         # The write indexes the whole [L, ...] buffer with tensors, the layer included: through a
         # per-layer view (or with scatter_), torch.compile copied the whole cache at every step.
         layer_index = torch.full((1, 1), layer, device=x.device)  # [1, 1]
-        if block_table is None:
+        if pages is None:
             rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
             k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
             v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
             out = attend(q, k_cache[layer], v_cache[layer], write_slots, mask)  # [B, H, T, D]
         else:
-            blocks, offsets = page_address(block_table, write_slots, k_cache.shape[3])  # [B, T] each
+            blocks, offsets = page_address(pages.table, write_slots, k_cache.shape[3])  # [B, T] each
             k_cache[layer_index, blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
             v_cache[layer_index, blocks, :, offsets] = v.transpose(1, 2)
-            out = attend_pages(q, k_cache[layer], v_cache[layer], block_table, write_slots, mask)
+            out = attend_pages(q, k_cache[layer], v_cache[layer], pages, write_slots, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * D)), q_before_rope
 
 
@@ -117,17 +117,15 @@ def attend_pages(
     q: torch.Tensor,  # [B, H, T, D] after RoPE
     k_pool: torch.Tensor,  # [n_blocks, H_kv, block, D] one layer's pool, the new keys written
     v_pool: torch.Tensor,  # [n_blocks, H_kv, block, D]
-    block_table: torch.Tensor,  # [B, max_blocks]
+    pages: Pages,
     write_slots: torch.Tensor,  # [B, T]
     mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
 ) -> torch.Tensor:
     """Attention over a paged cache, [B, H, T, D]: flash-attn reads the blocks through the table
     itself; otherwise each row's first S slots are gathered into one tensor for SDPA."""
-    T = q.shape[2]
-    if T == 1 and flash_decode_supported(k_pool, paged=True):
-        return flash_decode(q, k_pool, v_pool, write_slots[:, 0] + 1, block_table)
-    n_slots = T if mask is None else mask.shape[-1]
-    return attend(q, gather_pages(k_pool, block_table, n_slots), gather_pages(v_pool, block_table, n_slots), write_slots, mask)
+    if q.shape[2] == 1 and flash_decode_supported(k_pool, paged=True):
+        return flash_decode(q, k_pool, v_pool, write_slots[:, 0] + 1, pages.table)
+    return attend(q, gather_pages(k_pool, pages), gather_pages(v_pool, pages), write_slots, mask)
 
 
 class MLP(nn.Module):
@@ -159,12 +157,12 @@ class Block(nn.Module):
         layer: int,
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor | None,  # [B, 1, T, S]
-        block_table: torch.Tensor | None = None,  # [B, max_blocks] with a paged cache
+        pages: Pages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
         attended, queries = self.attn(
             self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, layer=layer, write_slots=write_slots, mask=mask,
-            block_table=block_table,
+            pages=pages,
         )
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), queries
@@ -211,8 +209,12 @@ class Transformer(nn.Module):
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        pages = None  # a paged cache: where each row's slots lie, worked out once for every layer
+        if block_table is not None:
+            n_read = tokens.shape[1] if mask is None else mask.shape[-1]
+            pages = read_pages(block_table, n_read, k_cache.shape[2], k_cache.shape[3])
         for i, layer in enumerate(self.layers):
-            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask, block_table=block_table)
+            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask, pages=pages)
             if on_queries is not None:
                 on_queries(i, q)
         if logit_index is not None:

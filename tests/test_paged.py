@@ -12,7 +12,7 @@ from engine.paged_cache import SCRATCH_BLOCK, PageConfig, PagedKVCache
 from engine.scheduler import Request, serve
 from errors import UserError
 from models.config import ModelConfig
-from models.pages import gather_pages
+from models.pages import gather_pages, read_pages
 from weights.loader import load_model
 
 CPU = torch.device("cpu")
@@ -74,10 +74,10 @@ def test_gathered_pages_hold_each_rows_slots_in_order():
     for row in range(2):
         for slot in range(12):
             pool[table[row, slot // block], :, slot % block] = expected[row, :, slot]
-    assert torch.equal(gather_pages(pool, table, 12), expected)
-    assert torch.equal(gather_pages(pool, table, 7), expected[:, :, :7])
+    assert torch.equal(gather_pages(pool, read_pages(table, 12, H_kv, block)), expected)
+    assert torch.equal(gather_pages(pool, read_pages(table, 7, H_kv, block)), expected[:, :, :7])
     layers = torch.stack([pool, 2 * pool])  # every layer at once
-    assert torch.equal(gather_pages(layers, table, 9), torch.stack([expected, 2 * expected])[:, :, :, :9])
+    assert torch.equal(gather_pages(layers, read_pages(table, 9, H_kv, block)), torch.stack([expected, 2 * expected])[:, :, :, :9])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,8 +100,9 @@ def test_compaction_on_pages_moves_what_compaction_on_the_contiguous_cache_moves
     positions = torch.arange(S).expand(L, B, H_kv, S).clone()
     compact_in_place([contiguous.k, contiguous.v], prompt_length, keep, 6, 2)
     compact_cache(paged, [positions], prompt_length, keep, 6, 2)
-    assert torch.equal(gather_pages(paged.k, paged.block_table, S), contiguous.k)
-    assert torch.equal(gather_pages(paged.v, paged.block_table, S), contiguous.v)
+    pages = read_pages(paged.block_table, S, H_kv, 4)
+    assert torch.equal(gather_pages(paged.k, pages), contiguous.k)
+    assert torch.equal(gather_pages(paged.v, pages), contiguous.v)
     assert torch.equal(positions[:, 0, :, 2:5], 2 + keep[:, 0])  # row 0: its kept offsets, after its prefix of 2
 
 
@@ -191,7 +192,7 @@ def test_continuous_batching_stops_at_eos_and_on_request(tiny_checkpoint):
     free = [generate(model, [p], 12, eos_ids=frozenset()).tokens[0] for p in prompts]
     eos = free[0][4]
     k = free[0].index(eos)
-    run = serve(model, [Request(p, 12) for p in prompts], 2, frozenset({eos}), on_token=lambda p, token: p == 2 and True)
+    run = serve(model, [Request(p, 12) for p in prompts], 2, frozenset({eos}), on_token=lambda p, token: p == 2)
     assert run.tokens[0] == free[0][:k]
     assert run.tokens[2] == free[2][:1]  # stopped after its first token
     expected_1 = free[1][: free[1].index(eos)] if eos in free[1] else free[1]
