@@ -1,12 +1,18 @@
-"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy, quantization and paging options."""
+"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy, quantization,
+paging and tensor-parallel options."""
 
 import argparse
+import contextlib
+import os
+from collections.abc import Iterator
 
 import torch
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.paged_cache import PageConfig, default_block_size
 from errors import UserError
+from models import parallel
+from models.parallel import TensorParallel
 from models.quantized import GROUP_SIZES, QUANT_MODES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -85,3 +91,44 @@ def pick_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) ->
     dtype = DTYPES.get(checkpoint_dtype or "", torch.float32)
     # float16 matmuls are emulated and slow on CPU; bfloat16 has the same size and native kernels.
     return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tensor parallelism (launch with torchrun --nproc-per-node N; models/parallel.py)")
+    g.add_argument(
+        "--rank-timeout", type=float, default=parallel.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        help="how long a rank waits for the others at a collective before the run fails (a rank that died or hung)",
+    )
+
+
+def start_ranks(args: argparse.Namespace, device: torch.device) -> tuple[TensorParallel | None, torch.device]:
+    """Under torchrun with N > 1 ranks, join them (this rank's place and device); else (None, device)."""
+    if parallel.launched_ranks() == 1:
+        return None, device
+    if args.rank_timeout <= 0:
+        raise UserError(f"--rank-timeout must be positive, got {args.rank_timeout}")
+    return parallel.start(device, args.rank_timeout)
+
+
+@contextlib.contextmanager
+def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
+    """Around a tensor-parallel run: only rank 0 prints (the others' output goes nowhere; errors
+    still reach every rank's stderr), a failed collective is one clear error on every rank, and
+    the process group ends with the run."""
+    if tp is None:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as nowhere, contextlib.ExitStack() as quiet:
+            if tp.rank > 0:
+                quiet.enter_context(contextlib.redirect_stdout(nowhere))
+                quiet.enter_context(contextlib.redirect_stderr(nowhere))
+            yield
+    except RuntimeError as e:  # what gloo and NCCL raise when a peer is gone or a wait times out
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"rank {tp.rank} of {tp.world}: a collective with the other ranks failed ({detail}); "
+            "another rank died, hung past --rank-timeout, or stopped on an error of its own (see its message)"
+        ) from None
+    finally:
+        parallel.stop()

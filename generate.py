@@ -4,6 +4,8 @@
     python generate.py --checkpoint DIR -i          (a chat: /reset starts over, /exit leaves)
     python generate.py --checkpoint DIR --prompt-file PROMPTS.txt --max-batch 8
                                                     (continuous batching: 8 rows at a time)
+    torchrun --nproc-per-node 2 generate.py --checkpoint DIR --prompt "..."
+                                                    (tensor parallelism: the model split over 2 processes)
 
 Only the generated text goes to stdout; the one-line summary goes to stderr.
 
@@ -23,7 +25,10 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, add_compression_args, add_paging_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype
+from cli import (
+    DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    ranks_running, start_ranks,
+)
 from compression.config import CompressionConfig
 from engine.chat import Conversation
 from engine.generation import GenerationResult, Session, generate
@@ -32,6 +37,7 @@ from engine.sampling import SamplingConfig
 from engine.scheduler import BatchRun, Request, serve
 from engine.stop_strings import StopStrings
 from errors import UserError, run_command
+from models.parallel import TensorParallel, from_rank0, launched_ranks
 from weights.download import resolve_checkpoint
 from weights.generation_config import sampling_defaults
 from weights.loader import load_model, stored_dtype
@@ -69,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_quant_args(p)
     add_compression_args(p)
     add_paging_args(p, "hold the KV cache in blocks, each prompt only the blocks it uses (--max-batch always does)")
+    add_parallel_args(p)
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
         p.error("give the prompt either as an argument or with --prompt, not both")
@@ -161,13 +168,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     compression = compression_config(args)
-    device = pick_device(args.device)
+    if args.interactive and launched_ranks() > 1:
+        raise UserError("--interactive reads stdin on one process; under torchrun give --prompt or --prompt-file")
+    tp, device = start_ranks(args, pick_device(args.device))
+    with ranks_running(tp):
+        run_on(args, tp, device, compression)
+
+
+def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.device, compression: CompressionConfig) -> None:
+    """The run on this process: the whole model, or under torchrun this rank's part of it (only rank 0 prints)."""
     checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
     sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
-    prompts = None if args.interactive else encode_prompts(tokenizer, read_prompts(args), args.chat, args.system)
-    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device, args.quant, args.group_size)
-    torch.manual_seed(args.seed)
+    prompts = None
+    if not args.interactive:  # rank 0 reads them (stdin reaches one process), every rank encodes them
+        texts = from_rank0(read_prompts(args) if tp is None or tp.rank == 0 else None, tp)
+        prompts = encode_prompts(tokenizer, texts, args.chat, args.system)
+    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device, args.quant, args.group_size, tp)
+    torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pages = page_config(args, device, args.paged or args.max_batch is not None)
     with torch.inference_mode():

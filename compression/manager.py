@@ -57,9 +57,14 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 
 
 class CompressionManager:
-    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(
+        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, share: tuple[int, int] = (0, 1)
+    ):
+        """n_heads: the query heads whose queries the model hands over; share: under tensor
+        parallelism, this rank and the number of ranks (the cache holds this rank's KV heads)."""
         L, B, H_kv, _, D = slot_shape(cache)
         self.config = config
+        self.share = share
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
@@ -163,6 +168,7 @@ class CompressionManager:
                     candidate_slots=candidate_slots,
                     config=config,
                     generator=self.generator,
+                    share=self.share,
                 )
                 keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
             sinks = torch.tensor([PREFIX_SINKS], device=cache.k.device)
@@ -264,6 +270,7 @@ class CompressionManager:
                 candidate_slots=candidate_slots,
                 config=config,
                 generator=self.generator,
+                share=self.share,
             )
             keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
         moved = [positions] + ([self.received] if self.received is not None else [])
@@ -308,8 +315,10 @@ class PerRowManagers:
     Rows join and leave at different steps, so each keeps its own schedule (one manager's is
     shared by all of its rows); a row's manager starts over when a new prompt takes the row."""
 
-    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin) for b in range(cache.length.shape[0])]
+    def __init__(
+        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, share: tuple[int, int] = (0, 1)
+    ):
+        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, share) for b in range(cache.length.shape[0])]
 
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""

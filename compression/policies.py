@@ -23,6 +23,7 @@ class ScoringInputs:
     config: CompressionConfig
     generator: torch.Generator
     received: torch.Tensor | None = None  # [B, H_kv, C] H2O: the attention each candidate has received so far
+    share: tuple[int, int] = (0, 1)  # tensor parallelism: this rank, of how many; its KV heads are that block of the model's
 
 
 def beacon(x: ScoringInputs) -> torch.Tensor:
@@ -101,7 +102,9 @@ def streaming(x: ScoringInputs) -> torch.Tensor:
 def random(x: ScoringInputs) -> torch.Tensor:
     """Uniformly random eviction: the floor every informed policy must beat."""
     B, H_kv, C, _ = x.keys.shape
-    return torch.rand(B, H_kv, C, generator=x.generator, device="cpu").to(x.keys.device)
+    rank, world = x.share  # every rank draws for all the model's KV heads, as one process would, and takes its own
+    drawn = torch.rand(B, H_kv * world, C, generator=x.generator, device="cpu")[:, rank * H_kv : (rank + 1) * H_kv]
+    return drawn.to(x.keys.device)
 
 
 SCORERS: dict[str, Callable[[ScoringInputs], torch.Tensor]] = {

@@ -61,15 +61,16 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
 SIMD_BITS = {"AVX512": 512, "AVX2": 256}
 
 
-def compile_decode_step(device: torch.device) -> Callable[..., torch.Tensor]:
+def compile_decode_step(device: torch.device, tensor_parallel: bool = False) -> Callable[..., torch.Tensor]:
     """The decode step as one compiled graph. On CPU its host code is C++ (inductor's
-    cpp_wrapper), which calls the step's ~300 kernels without Python in between.
+    cpp_wrapper), which calls the step's ~300 kernels without Python in between; under tensor
+    parallelism it stays Python, because cpp_wrapper cannot call the collectives (torch 2.13).
 
     On CPU the generated code's vector width is set to that of torch's own kernels. Inductor
     follows ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: a step
     compiled under the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width
     given as an option is part of the cache key."""
-    options: dict[str, object] = {"cpp_wrapper": device.type == "cpu"}
+    options: dict[str, object] = {"cpp_wrapper": device.type == "cpu" and not tensor_parallel}
     simd_bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
     if device.type == "cpu" and simd_bits is not None:
         options["cpp.simdlen"] = simd_bits
@@ -109,7 +110,8 @@ class Session:
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
             managers = PerRowManagers if continuous else CompressionManager
-            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+            share = (0, 1) if model.parallel is None else (model.parallel.rank, model.parallel.world)
+            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, share)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
         # What the decode step reads and overwrites: the same tensors for the whole session, so
         # that a compiled step or a CUDA graph keeps pointing at them.
@@ -228,7 +230,7 @@ class Session:
             self.finished[row] = True
 
     def _build_step(self) -> Callable[..., object]:
-        step = compile_decode_step(self.model.device) if self.compile else decode_step
+        step = compile_decode_step(self.model.device, self.model.parallel is not None) if self.compile else decode_step
         advance = partial(step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen)
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))

@@ -6,6 +6,9 @@ each new token is written to, and which slots each query may read (a boolean mas
 decode are the same code path.
 
 Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
+Under tensor parallelism (models/parallel.py) each rank runs this same model on its share of the
+heads, the MLP width and the vocabulary; a sum after the embedding, two per layer and one gather
+of the logits join the ranks' parts.
 """
 
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.linear import Linear
 from models.pages import Pages, gather_pages, page_address, read_pages
+from models.parallel import TensorParallel, gather_vocab, reduce_sum
 from models.rope import apply_rope, rope_cos_sin, rope_tables
 
 
@@ -35,8 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
         super().__init__()
+        self.parallel = parallel
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
@@ -85,7 +90,7 @@ class Attention(nn.Module):
             k_cache[layer_index, blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
             v_cache[layer_index, blocks, :, offsets] = v.transpose(1, 2)
             out = attend_pages(q, k_cache[layer], v_cache[layer], pages, write_slots, mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, H * D)), q_before_rope
+        return reduce_sum(self.wo(out.transpose(1, 2).reshape(B, T, H * D)), self.parallel), q_before_rope
 
 
 def attend(
@@ -129,23 +134,24 @@ def attend_pages(
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
         super().__init__()
+        self.parallel = parallel
         self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return reduce_sum(self.w_down(F.silu(gate) * up), self.parallel)
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, parallel)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, parallel)
 
     def forward(
         self,
@@ -169,13 +175,16 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
+        """config: the whole model's, or with `parallel` this rank's part of it (models.parallel.shard_config)."""
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.parallel = parallel
+        vocab_rows = config.vocab_size if parallel is None else config.vocab_size // parallel.world
+        self.embed = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, parallel) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -205,7 +214,7 @@ class Transformer(nn.Module):
         on_queries(layer, queries before RoPE [B, H, T, D]) is called as each layer finishes, for a
         KV policy: it keeps what it needs, so no layer's queries (a view that pins its whole
         q/k/v output) need outlive that layer."""
-        x = self.embed(tokens)
+        x = self.embed_tokens(tokens)  # [B, T, C]
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -219,4 +228,14 @@ class Transformer(nn.Module):
                 on_queries(i, q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
-        return self.lm_head(self.norm(x))
+        return gather_vocab(self.lm_head(self.norm(x)), self.parallel)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, T, C]. Split by vocabulary, each rank looks up the tokens it holds and
+        contributes zeros for the others: the sum over ranks is every token's row, exactly."""
+        if self.parallel is None:
+            return self.embed(tokens)
+        first, end = self.parallel.vocab_rows(self.config.vocab_size)
+        held = (tokens >= first) & (tokens < end)  # [B, T]
+        rows = self.embed(torch.where(held, tokens - first, 0))  # [B, T, C]
+        return reduce_sum(rows * held.unsqueeze(-1).to(rows.dtype), self.parallel)

@@ -17,9 +17,11 @@ from torch import nn
 from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
+from models.parallel import TensorParallel, shard_config
 from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
 from weights.safetensors_writer import Entry
+from weights.sharding import Part, parts_shape, rank_parts, whole
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -245,35 +247,38 @@ COPY_BLOCK_BYTES = 16 << 20
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def read_copy(located: dict[str, Path], names: list[str], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, column_major: bool) -> torch.Tensor:
-    """The HF tensors `names`, concatenated along rows, cast, in a tensor of the engine's own."""
+def read_copy(located: dict[str, Path], parts: list[Part], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, column_major: bool) -> torch.Tensor:
+    """The checkpoint tensors' `parts`, concatenated along rows, cast, in a tensor of the engine's own."""
     if column_major:  # the same [out, in] tensor, its memory laid out as [in, out]
         out = torch.empty(shape[::-1], dtype=dtype, device=device).t()
     else:
         out = torch.empty(shape, dtype=dtype, device=device)
     row = 0
-    for name in names:
-        path = located[name]
+    for part in parts:
+        path = located[part.name]
         with _open_safetensors(path) as f:
-            rows = f.get_slice(name).get_shape()[0]
+            first, end = part.rows or (0, f.get_slice(part.name).get_shape()[0])
         block = max(1, COPY_BLOCK_BYTES // max(1, out[0].numel() * out.element_size()))
-        for start in range(0, rows, block):
-            stop = min(rows, start + block)
+        for start in range(first, end, block):
+            stop = min(end, start + block)
             with _open_safetensors(path) as f:
-                out[row + start : row + stop].copy_(f.get_slice(name)[start:stop])
-        row += rows
+                rows = f.get_slice(part.name)
+                out[row + start - first : row + stop - first].copy_(rows[start:stop] if part.columns is None else rows[start:stop, slice(*part.columns)])
+        row += end - first
     return out
 
 
 def read_state(
-    located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32
+    located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32,
+    parallel: TensorParallel | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Every engine tensor, a copy of its own, except an embedding table that is not the LM head:
     on CPU, in the file's dtype, that one stays a view of the memory-mapped file, so only the rows
     the model looks up become resident (as with transformers' loading). Weights read in full at
     every step gain nothing from the map, and read from the page cache's small pages they were
     slower (docs/performance.md). With `quant` int8 or int4, or from a checkpoint saved quantized,
-    the linear weights come as QuantizedWeight."""
+    the linear weights come as QuantizedWeight. With `parallel`, only this rank's parts of them
+    (weights/sharding.py)."""
     expected = expected_shapes(config)
     quantized = quant != "none" or any(name.endswith(QUANT_SUFFIXES) for name in located)
     if quant == "int4":
@@ -285,18 +290,23 @@ def read_state(
         if name == "embed.weight" and quantized:
             state[name] = _read_quantized(located, name, sources, expected[sources[0]], "int8", group_size)
             continue
+        parts = rank_parts(name, sources, config, parallel)
+        if parts is None:  # a bias another rank adds
+            state[name] = torch.zeros(expected[sources[0]], dtype=dtype, device=device)
+            continue
         if name == "embed.weight" and device.type == "cpu":
             with _open_safetensors(located[sources[0]]) as f:
                 if SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype()) == dtype:
-                    state[name] = f.get_tensor(sources[0])  # a view: the map stays open as long as the tensor lives
+                    first, end = parts[0].rows or (0, config.vocab_size)
+                    state[name] = f.get_tensor(sources[0])[first:end]  # a view: the map stays open as long as the tensor lives
                     continue
-        shape = (sum(expected[s][0] for s in sources), *expected[sources[0]][1:])
+        shape = parts_shape(parts, expected)
         if quantized and name.endswith(LINEARS):
             mode = LM_HEAD_MODE if name == "lm_head.weight" else quant
             state[name] = _read_quantized(located, name, sources, shape, mode, group_size)
             continue
         column_major = name.endswith(LINEARS) and column_major_on_cpu(shape, dtype, device)
-        state[name] = read_copy(located, sources, shape, dtype, device, column_major)
+        state[name] = read_copy(located, parts, shape, dtype, device, column_major)
     if config.tie_word_embeddings and not quantized:
         state["embed.weight"] = state["lm_head.weight"]
     return state
@@ -317,7 +327,7 @@ def _read_quantized(located: dict[str, Path], name: str, sources: list[str], sha
     stored = [s.removesuffix(".weight") for s in sources if s.removesuffix(".weight") + ".scales" in located]
     if stored:
         return concatenate([_read_stored(located, prefix) for prefix in stored])
-    return quantize(read_copy(located, sources, shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
+    return quantize(read_copy(located, whole(sources), shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
 
 
 def stored_entries(name: str, shape: tuple[int, int], groups: int, with_zeros: bool) -> list[Entry]:
@@ -345,15 +355,20 @@ def _read_stored(located: dict[str, Path], prefix: str) -> QuantizedWeight:
     return QuantizedWeight(tensors[".weight"], tensors[".scales"].float(), None if ".zeros" not in tensors else tensors[".zeros"].float())
 
 
-def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32) -> Transformer:
+def load_model(
+    checkpoint: Path, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32, parallel: TensorParallel | None = None
+) -> Transformer:
     """The model of a checkpoint folder; `quant` int8 or int4 quantizes its linear weights as they are read.
-    A checkpoint saved quantized runs as stored."""
+    A checkpoint saved quantized runs as stored. With `parallel`, this rank's part of the model."""
     config = read_config(checkpoint)
     if quant != "none" and stored_quantized(checkpoint):
         raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
-    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size)
+    if parallel is not None and (quant != "none" or stored_quantized(checkpoint)):
+        raise UserError("tensor parallelism runs 16/32-bit weights only; drop --quant, or run a quantized checkpoint without torchrun")
+    rank_config = config if parallel is None else shard_config(config, parallel.world)
+    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size, parallel)
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
-        model = Transformer(config)
+        model = Transformer(rank_config, parallel)
     quantized = {name: state.pop(name) for name in list(state) if isinstance(state[name], QuantizedWeight)}
     if quantized:
         _place_quantized(model, quantized, state, dtype, device)

@@ -1,0 +1,125 @@
+"""Tensor parallelism: one model across N processes (ranks), and the two collectives the model calls.
+
+Each rank holds 1/N of every layer (Megatron's split, as gpt-fast and vLLM do it):
+- q/k/v and gate/up are split by output columns: a rank computes whole heads (its own KV heads,
+  whose keys and values only it caches) and a slice of the MLP's hidden units;
+- o_proj and down_proj are split by input rows: each rank's product is a partial sum of the
+  output, and `reduce_sum` adds the N partial sums (one all-reduce after attention, one after
+  the MLP);
+- the embedding table and the LM head are split by vocabulary rows: a rank looks up only the
+  tokens it holds (zeros for the others, summed by one all-reduce) and computes the logits of
+  its rows, which `gather_vocab` puts side by side on every rank.
+Norms and RoPE are replicated. Every rank ends a step with the same logits, so each samples the
+same token with the same seed: no broadcast is needed.
+
+A rank's model is the same Transformer, built from `shard_config`: the model's config with 1/N of
+the heads and of the MLP width. The KV cache and the KV policies read their sizes from it, so
+they hold and compress only the rank's own KV heads.
+"""
+
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as collectives
+
+from errors import UserError
+from models.config import ModelConfig
+
+# How long a collective waits for the other ranks before it fails: long enough for the slowest
+# rank's first torch.compile, short enough that a dead or stuck rank ends the run.
+DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    world: int
+    group: dist.ProcessGroup
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """The first and last + 1 vocabulary rows of the embedding table and LM head this rank holds."""
+        rows = vocab_size // self.world
+        return self.rank * rows, (self.rank + 1) * rows
+
+
+def launched_ranks() -> int:
+    """How many ranks the launcher started (torchrun sets WORLD_SIZE); 1 without a launcher."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[TensorParallel, torch.device]:
+    """Join the ranks torchrun started: gloo between CPU processes, NCCL between GPUs, one GPU per
+    rank (its LOCAL_RANK). Returns this rank's place and its device."""
+    if not dist.is_available():
+        raise UserError("this torch build has no torch.distributed; run without torchrun, or install a torch that has it")
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
+    if backend is None:
+        raise UserError(f"tensor parallelism has no backend for {device.type} devices (gloo for CPU, NCCL for CUDA); use --device cpu or cuda")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise UserError("this torch build has no NCCL, which tensor parallelism on CUDA needs; use --device cpu (gloo)")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise UserError("this torch build has no gloo, which tensor parallelism on CPU needs; run without torchrun")
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"rank {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible; start at most that many ranks per machine")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"could not join the other ranks ({e}); launch with torchrun --nproc-per-node N") from None
+    return TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD), device
+
+
+def stop() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def from_rank0(value: object, parallel: TensorParallel | None) -> object:
+    """Rank 0's value on every rank (what only rank 0 can read, such as stdin)."""
+    if parallel is None:
+        return value
+    held = [value]
+    dist.broadcast_object_list(held, src=0, group=parallel.group)
+    return held[0]
+
+
+def shard_config(config: ModelConfig, world: int) -> ModelConfig:
+    """One rank's part of the model: 1/world of the heads and of the MLP width, the vocabulary whole
+    (the rank holds 1/world of its rows, and gathers all the logits). Whole KV heads go to each rank,
+    so `world` must divide every count it splits."""
+    splits = {
+        "key-value heads": config.n_kv_heads,
+        "MLP width (intermediate_size)": config.intermediate_size,
+        "vocabulary": config.vocab_size,
+    }
+    for what, count in splits.items():
+        if count % world:
+            divisors = [n for n in range(1, config.n_kv_heads + 1) if all(c % n == 0 for c in splits.values())]
+            raise UserError(
+                f"{world} ranks cannot split this model's {count} {what} evenly; "
+                f"start a number of ranks that divides it: {', '.join(map(str, divisors))}"
+            )
+    return replace(
+        config, n_heads=config.n_heads // world, n_kv_heads=config.n_kv_heads // world, intermediate_size=config.intermediate_size // world
+    )
+
+
+def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor:
+    """The sum of every rank's x (partial products of a row-split layer); x itself on one rank."""
+    if parallel is None:
+        return x
+    return collectives.all_reduce(x, "sum", parallel.group)
+
+
+def gather_vocab(logits: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor:
+    """[..., V/N] each rank's logits -> [..., V] all of them, in vocabulary order, on every rank."""
+    if parallel is None:
+        return logits
+    gathered = collectives.all_gather_single(logits.movedim(-1, 0).contiguous(), 0, parallel.group)  # [V, ...]
+    return gathered.movedim(0, -1)

@@ -1,0 +1,71 @@
+"""The ranks of a tensor-parallel test run, launched by tests/test_parallel.py under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 tests/parallel_ranks.py CASES.json OUT.json
+
+Every rank runs each case of CASES.json (a list of `Case` fields) on its part of the model; rank
+0 writes each case's tokens, and whether every rank produced the same, to OUT.json. The test
+runs the same cases in one process with `run_case(..., parallel=None)` and compares.
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from compression.config import CompressionConfig
+from engine.generation import generate
+from engine.paged_cache import PageConfig
+from engine.sampling import SamplingConfig
+from engine.scheduler import Request, serve
+from models import parallel
+from models.parallel import TensorParallel
+from weights.loader import load_model
+
+PROMPTS = [[1, 5, 9, 33, 7] * 6, [4, 8, 15, 16, 23, 42, 99] * 5, [3, 17]]
+
+
+@dataclass(frozen=True)
+class Case:
+    checkpoint: str
+    new_tokens: int = 24
+    dtype: str = "float32"
+    policy: str = "none"
+    compile: bool = False
+    paged: bool = False
+    continuous: bool = False  # continuous batching, two rows at a time
+    temperature: float = 0.0
+
+
+def run_case(case: Case, tp: TensorParallel | None) -> list[list[int]]:
+    """The case's tokens per prompt, on this rank's part of the model (tp) or on the whole of it (None)."""
+    torch.manual_seed(0)
+    model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), torch.device("cpu"), parallel=tp)
+    compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=8, hysteresis=4, window=4)
+    sampling = SamplingConfig(temperature=case.temperature, top_k=20)
+    with torch.inference_mode():
+        if case.continuous:
+            requests = [Request(prompt, case.new_tokens) for prompt in PROMPTS]
+            return serve(model, requests, 2, frozenset(), sampling, compression, PageConfig(4), case.compile).tokens
+        pages = PageConfig(4) if case.paged else None
+        return generate(model, PROMPTS, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, pages=pages).tokens
+
+
+def main(cases_file: str, out_file: str) -> None:
+    cases = [Case(**fields) for fields in json.loads(Path(cases_file).read_text())]
+    tp, _ = parallel.start(torch.device("cpu"), timeout_s=300)
+    results = []
+    for case in cases:
+        tokens = run_case(case, tp)
+        every_rank: list[object] = [None] * tp.world
+        dist.all_gather_object(every_rank, tokens, group=tp.group)
+        results.append({"case": asdict(case), "tokens": tokens, "ranks_agree": all(t == tokens for t in every_rank)})
+    if tp.rank == 0:
+        Path(out_file).write_text(json.dumps(results))
+    parallel.stop()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
