@@ -58,13 +58,13 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
 
 class CompressionManager:
     def __init__(
-        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, share: tuple[int, int] = (0, 1)
+        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
     ):
-        """n_heads: the query heads whose queries the model hands over; share: under tensor
-        parallelism, this rank and the number of ranks (the cache holds this rank's KV heads)."""
+        """n_heads: the query heads whose queries the model hands over; kv_heads: under tensor
+        parallelism, the model's KV head the cache's first one is, and the model's count."""
         L, B, H_kv, _, D = slot_shape(cache)
         self.config = config
-        self.share = share
+        self.kv_heads = kv_heads
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
@@ -168,7 +168,7 @@ class CompressionManager:
                     candidate_slots=candidate_slots,
                     config=config,
                     generator=self.generator,
-                    share=self.share,
+                    kv_heads=self.kv_heads,
                 )
                 keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
             sinks = torch.tensor([PREFIX_SINKS], device=cache.k.device)
@@ -270,7 +270,7 @@ class CompressionManager:
                 candidate_slots=candidate_slots,
                 config=config,
                 generator=self.generator,
-                share=self.share,
+                kv_heads=self.kv_heads,
             )
             keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
         moved = [positions] + ([self.received] if self.received is not None else [])
@@ -316,9 +316,9 @@ class PerRowManagers:
     shared by all of its rows); a row's manager starts over when a new prompt takes the row."""
 
     def __init__(
-        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, share: tuple[int, int] = (0, 1)
+        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
     ):
-        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, share) for b in range(cache.length.shape[0])]
+        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, kv_heads) for b in range(cache.length.shape[0])]
 
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""

@@ -23,7 +23,7 @@ class ScoringInputs:
     config: CompressionConfig
     generator: torch.Generator
     received: torch.Tensor | None = None  # [B, H_kv, C] H2O: the attention each candidate has received so far
-    share: tuple[int, int] = (0, 1)  # tensor parallelism: this rank, of how many; its KV heads are that block of the model's
+    kv_heads: tuple[int, int] | None = None  # tensor parallelism: the model's KV head the keys' first one is, and the model's count
 
 
 def beacon(x: ScoringInputs) -> torch.Tensor:
@@ -102,8 +102,8 @@ def streaming(x: ScoringInputs) -> torch.Tensor:
 def random(x: ScoringInputs) -> torch.Tensor:
     """Uniformly random eviction: the floor every informed policy must beat."""
     B, H_kv, C, _ = x.keys.shape
-    rank, world = x.share  # every rank draws for all the model's KV heads, as one process would, and takes its own
-    drawn = torch.rand(B, H_kv * world, C, generator=x.generator, device="cpu")[:, rank * H_kv : (rank + 1) * H_kv]
+    first, total = x.kv_heads or (0, H_kv)  # every rank draws for all the model's KV heads, as one process would, and takes its own
+    drawn = torch.rand(B, total, C, generator=x.generator, device="cpu")[:, first : first + H_kv]
     return drawn.to(x.keys.device)
 
 

@@ -110,8 +110,7 @@ class Session:
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
             managers = PerRowManagers if continuous else CompressionManager
-            share = (0, 1) if model.parallel is None else (model.parallel.rank, model.parallel.world)
-            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, share)
+            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
         # What the decode step reads and overwrites: the same tensors for the whole session, so
         # that a compiled step or a CUDA graph keeps pointing at them.

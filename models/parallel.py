@@ -1,8 +1,10 @@
 """Tensor parallelism: one model across N processes (ranks), and the two collectives the model calls.
 
-Each rank holds 1/N of every layer (Megatron's split, as gpt-fast and vLLM do it):
+Each rank holds about 1/N of every layer (Megatron's split, as gpt-fast and vLLM do it):
 - q/k/v and gate/up are split by output columns: a rank computes whole heads (its own KV heads,
-  whose keys and values only it caches) and a slice of the MLP's hidden units;
+  whose keys and values only it caches, with their query heads) and a slice of the MLP's hidden
+  units. Where N does not divide the KV heads the blocks differ by one head (SmolLM2's 3 KV
+  heads on 2 ranks: 1 and 2); a rank needs at least one;
 - o_proj and down_proj are split by input rows: each rank's product is a partial sum of the
   output, and `reduce_sum` adds the N partial sums (one all-reduce after attention, one after
   the MLP);
@@ -12,9 +14,9 @@ Each rank holds 1/N of every layer (Megatron's split, as gpt-fast and vLLM do it
 Norms and RoPE are replicated. Every rank ends a step with the same logits, so each samples the
 same token with the same seed: no broadcast is needed.
 
-A rank's model is the same Transformer, built from `shard_config`: the model's config with 1/N of
-the heads and of the MLP width. The KV cache and the KV policies read their sizes from it, so
-they hold and compress only the rank's own KV heads.
+A rank's model is the same Transformer, built from `shard_config`: the model's config with the
+rank's heads and MLP width. The KV cache and the KV policies read their sizes from it, so they
+hold and compress only the rank's own KV heads.
 """
 
 import os
@@ -39,10 +41,14 @@ class TensorParallel:
     world: int
     group: dist.ProcessGroup
 
+    def block(self, total: int) -> tuple[int, int]:
+        """This rank's [first, end) of `total` things split as evenly as whole things split."""
+        return self.rank * total // self.world, (self.rank + 1) * total // self.world
+
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
-        """The first and last + 1 vocabulary rows of the embedding table and LM head this rank holds."""
-        rows = vocab_size // self.world
-        return self.rank * rows, (self.rank + 1) * rows
+        """The vocabulary rows of the embedding table and LM head this rank holds (the same count
+        on every rank, since the logits are gathered in equal blocks)."""
+        return self.block(vocab_size)
 
 
 def launched_ranks() -> int:
@@ -89,25 +95,25 @@ def from_rank0(value: object, parallel: TensorParallel | None) -> object:
     return held[0]
 
 
-def shard_config(config: ModelConfig, world: int) -> ModelConfig:
-    """One rank's part of the model: 1/world of the heads and of the MLP width, the vocabulary whole
-    (the rank holds 1/world of its rows, and gathers all the logits). Whole KV heads go to each rank,
-    so `world` must divide every count it splits."""
-    splits = {
-        "key-value heads": config.n_kv_heads,
-        "MLP width (intermediate_size)": config.intermediate_size,
-        "vocabulary": config.vocab_size,
-    }
-    for what, count in splits.items():
-        if count % world:
-            divisors = [n for n in range(1, config.n_kv_heads + 1) if all(c % n == 0 for c in splits.values())]
-            raise UserError(
-                f"{world} ranks cannot split this model's {count} {what} evenly; "
-                f"start a number of ranks that divides it: {', '.join(map(str, divisors))}"
-            )
-    return replace(
-        config, n_heads=config.n_heads // world, n_kv_heads=config.n_kv_heads // world, intermediate_size=config.intermediate_size // world
-    )
+def shard_config(config: ModelConfig, parallel: TensorParallel) -> ModelConfig:
+    """This rank's part of the model: its KV heads with their query heads, its block of the MLP
+    width, and the vocabulary whole (the rank holds a block of its rows, and gathers all the logits)."""
+    world = parallel.world
+    if world > config.n_kv_heads:
+        raise UserError(
+            f"{world} ranks cannot split this model's {config.n_kv_heads} key-value heads: each rank holds whole KV heads; "
+            f"start at most {config.n_kv_heads} ranks"
+        )
+    if config.vocab_size % world:
+        divisors = [n for n in range(1, config.n_kv_heads + 1) if config.vocab_size % n == 0]
+        raise UserError(
+            f"{world} ranks cannot split this model's vocabulary of {config.vocab_size} into equal blocks; "
+            f"start a number of ranks that divides it: {', '.join(map(str, divisors))}"
+        )
+    first, end = parallel.block(config.n_kv_heads)
+    group = config.n_heads // config.n_kv_heads
+    mlp_first, mlp_end = parallel.block(config.intermediate_size)
+    return replace(config, n_heads=(end - first) * group, n_kv_heads=end - first, intermediate_size=mlp_end - mlp_first)
 
 
 def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor:

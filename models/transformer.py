@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.linear import Linear
 from models.pages import Pages, gather_pages, page_address, read_pages
-from models.parallel import TensorParallel, gather_vocab, reduce_sum
+from models.parallel import TensorParallel, gather_vocab, reduce_sum, shard_config
 from models.rope import apply_rope, rope_cos_sin, rope_tables
 
 
@@ -176,11 +176,17 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
-        """config: the whole model's, or with `parallel` this rank's part of it (models.parallel.shard_config)."""
+        """The whole model of `config`, or with `parallel` this rank's part of it: then self.config
+        is the part's (models.parallel.shard_config), the vocabulary whole."""
         super().__init__()
-        self.config = config
         self.parallel = parallel
-        vocab_rows = config.vocab_size if parallel is None else config.vocab_size // parallel.world
+        self.kv_heads = None  # [first, of the model's count]: this rank's KV heads, for the KV policies' random draws
+        if parallel is not None:
+            self.kv_heads = (parallel.block(config.n_kv_heads)[0], config.n_kv_heads)
+            config = shard_config(config, parallel)
+        self.config = config
+        first, end = (0, config.vocab_size) if parallel is None else parallel.vocab_rows(config.vocab_size)
+        vocab_rows = end - first
         self.embed = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, parallel) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

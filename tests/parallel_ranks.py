@@ -24,7 +24,7 @@ from models import parallel
 from models.parallel import TensorParallel
 from weights.loader import load_model
 
-PROMPTS = [[1, 5, 9, 33, 7] * 6, [4, 8, 15, 16, 23, 42, 99] * 5, [3, 17]]
+PROMPTS = ((1, 5, 9, 33, 7) * 6, (4, 8, 15, 16, 23, 42, 99) * 5, (3, 17))
 
 
 @dataclass(frozen=True)
@@ -37,24 +37,28 @@ class Case:
     paged: bool = False
     continuous: bool = False  # continuous batching, two rows at a time
     temperature: float = 0.0
+    prompts: tuple[tuple[int, ...], ...] = PROMPTS
+    budget: int = 8  # the KV policy's; its hysteresis and window are half of it
 
 
 def run_case(case: Case, tp: TensorParallel | None) -> list[list[int]]:
     """The case's tokens per prompt, on this rank's part of the model (tp) or on the whole of it (None)."""
     torch.manual_seed(0)
     model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), torch.device("cpu"), parallel=tp)
-    compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=8, hysteresis=4, window=4)
+    half = case.budget // 2
+    compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=case.budget, hysteresis=half, window=half)
+    prompts = [list(p) for p in case.prompts]
     sampling = SamplingConfig(temperature=case.temperature, top_k=20)
     with torch.inference_mode():
         if case.continuous:
-            requests = [Request(prompt, case.new_tokens) for prompt in PROMPTS]
+            requests = [Request(prompt, case.new_tokens) for prompt in prompts]
             return serve(model, requests, 2, frozenset(), sampling, compression, PageConfig(4), case.compile).tokens
         pages = PageConfig(4) if case.paged else None
-        return generate(model, PROMPTS, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, pages=pages).tokens
+        return generate(model, prompts, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, pages=pages).tokens
 
 
 def main(cases_file: str, out_file: str) -> None:
-    cases = [Case(**fields) for fields in json.loads(Path(cases_file).read_text())]
+    cases = [Case(**fields | {"prompts": tuple(map(tuple, fields["prompts"]))}) for fields in json.loads(Path(cases_file).read_text())]
     tp, _ = parallel.start(torch.device("cpu"), timeout_s=300)
     results = []
     for case in cases:

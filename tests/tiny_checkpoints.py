@@ -56,6 +56,8 @@ KINDS = {
         ),
     ),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None)),
+    # SmolLM2's layout: 3 KV heads of 2 query heads each, which 2 ranks split 1 and 2.
+    "llama_3kv": (transformers.LlamaConfig, dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
 }

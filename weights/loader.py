@@ -17,7 +17,7 @@ from torch import nn
 from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
-from models.parallel import TensorParallel, shard_config
+from models.parallel import TensorParallel
 from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
 from weights.safetensors_writer import Entry
@@ -365,10 +365,10 @@ def load_model(
         raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
     if parallel is not None and (quant != "none" or stored_quantized(checkpoint)):
         raise UserError("tensor parallelism runs 16/32-bit weights only; drop --quant, or run a quantized checkpoint without torchrun")
-    rank_config = config if parallel is None else shard_config(config, parallel.world)
-    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size, parallel)
+    # Built first, so that a rank's part that cannot be cut fails on every rank at once, before the reading.
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
-        model = Transformer(rank_config, parallel)
+        model = Transformer(config, parallel)
+    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size, parallel)
     quantized = {name: state.pop(name) for name in list(state) if isinstance(state[name], QuantizedWeight)}
     if quantized:
         _place_quantized(model, quantized, state, dtype, device)

@@ -2,7 +2,8 @@
 
 Every engine tensor is made of one or more Hugging Face tensors, concatenated along rows
 (weights/loader.engine_sources). Under tensor parallelism a rank takes of each:
-- q, k, v, gate, up (weights and biases): its block of output rows, whole heads;
+- q, k, v, gate, up (weights and biases): its block of output rows: whole KV heads, and the
+  query heads that read them;
 - o_proj and down_proj weights: its block of input columns; their biases are added once, by
   rank 0 (the other ranks hold zeros), since the ranks' outputs are summed;
 - the embedding table and the LM head: its block of vocabulary rows;
@@ -36,25 +37,23 @@ def rank_parts(engine_name: str, sources: list[str], config: ModelConfig, parall
     rank holds as zeros. config is the whole model's."""
     if parallel is None:
         return whole(sources)
-    r, n = parallel.rank, parallel.world
-
-    def block(total: int) -> Span:
-        return r * total // n, (r + 1) * total // n
-
-    D = config.head_dim
+    first, end = parallel.block(config.n_kv_heads)
+    D, G = config.head_dim, config.n_heads // config.n_kv_heads
+    kv_rows, q_rows = (first * D, end * D), (first * G * D, end * G * D)  # query head h reads KV head h // G
+    mlp = parallel.block(config.intermediate_size)
     if engine_name in ("embed.weight", "lm_head.weight"):
         return [Part(sources[0], rows=parallel.vocab_rows(config.vocab_size))]
     if engine_name.endswith(("attn.wqkv.weight", "attn.wqkv.bias")):
         q, k, v = sources
-        return [Part(q, rows=block(config.n_heads * D)), Part(k, rows=block(config.n_kv_heads * D)), Part(v, rows=block(config.n_kv_heads * D))]
+        return [Part(q, rows=q_rows), Part(k, rows=kv_rows), Part(v, rows=kv_rows)]
     if engine_name.endswith(("mlp.w_gate_up.weight", "mlp.w_gate_up.bias")):
-        return [Part(name, rows=block(config.intermediate_size)) for name in sources]
+        return [Part(name, rows=mlp) for name in sources]
     if engine_name.endswith("attn.wo.weight"):
-        return [Part(sources[0], columns=block(config.n_heads * D))]
+        return [Part(sources[0], columns=q_rows)]
     if engine_name.endswith("mlp.w_down.weight"):
-        return [Part(sources[0], columns=block(config.intermediate_size))]
+        return [Part(sources[0], columns=mlp)]
     if engine_name.endswith(("attn.wo.bias", "mlp.w_down.bias")):
-        return whole(sources) if r == 0 else None
+        return whole(sources) if parallel.rank == 0 else None
     return whole(sources)
 
 
