@@ -6,6 +6,7 @@
     python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
     python bench.py --paged                      (the engine on its paged cache too, side by side)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
+    torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
 No EOS stops a run: every run makes exactly --new-tokens tokens per row. Each system (the engine,
@@ -20,6 +21,10 @@ random lengths, each with its own number of new tokens, answered --max-batch at 
 continuous batching on the paged cache, by static batching on the contiguous cache (same memory)
 and by transformers' batched generate: aggregate tok/s, KV cache peak, most prompts at once.
 
+Under torchrun (any --nproc-per-node, 1 included) the engine alone runs, split over the ranks
+(benchmark/parallel.py): decode tok/s and TTFT, and each rank's KV heads, weights read per step,
+KV cache and memory.
+
 Reported per system: decode tok/s and ms/token, time to first token, prefill tok/s, achieved
 GB/s and its share of the machine's bandwidth roofline (and, with --ceiling, of the decode
 step's bare matrix products), peak and held memory, KV cache size, and the CPU other processes
@@ -31,12 +36,14 @@ benchmark/: systems.py (TTFT, decode tok/s), memory.py (bytes per token, memory)
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from benchmark.machine import Machine, bandwidth_roofline, describe_machine
+from benchmark.parallel import measure_ranks, print_ranks, ranks_json
 from benchmark.memory import gguf_traffic
 from benchmark.report import Report, figures, print_report
 from benchmark.serving import measure_serving, print_serving, random_requests, serving_json
@@ -44,7 +51,10 @@ from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import ServingWorkload, Workload, progress
-from cli import DTYPES, add_compression_args, add_paging_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype
+from cli import (
+    DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    ranks_running, start_ranks,
+)
 from engine.paged_cache import PageConfig
 from errors import UserError, run_command
 from weights.download import resolve_checkpoint
@@ -82,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_quant_args(p)
     add_compression_args(p)
     add_paging_args(p, "also measure the engine on its paged cache (engine_paged), beside the contiguous one")
+    add_parallel_args(p)
     return p.parse_args(argv)
 
 
@@ -192,6 +203,9 @@ def span(name: str, text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if "WORLD_SIZE" in os.environ:  # started by torchrun
+        run_ranks(args)
+        return
     if args.workload is not None:
         run_workload(args)
         return
@@ -260,6 +274,33 @@ def run_workload(args: argparse.Namespace) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(serving_json(w, machine, figures_by_system), indent=2) + "\n")
         progress(f"wrote {args.json}")
+
+
+def run_ranks(args: argparse.Namespace) -> None:
+    """Under torchrun: the engine alone, split over the ranks; rank 0 prints each rank's figures."""
+    if args.workload is not None or args.sweep is not None or args.paged or args.ceiling or args.compare not in (None, "none"):
+        raise UserError("under torchrun bench.py measures the engine alone, split over the ranks; drop --workload, --sweep, --paged, --ceiling and --compare")
+    batch = positive("--batch", args.batch)
+    trials = positive("--trials", args.trials)
+    new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)
+    length = prompt_lengths(args)[0]
+    if args.json is not None and not args.json.parent.is_dir():
+        raise UserError(f"cannot write {args.json}: folder {args.json.parent} does not exist")
+    tp, device = start_ranks(args, pick_device(args.device))
+    with ranks_running(tp):
+        checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+        config = read_config(checkpoint)
+        if length + new_tokens > config.max_position_embeddings:
+            raise UserError(f"prompt of {length} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions")
+        dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+        compile_step = device.type == "cpu" if args.compile is None else args.compile
+        prompts = random_prompts(config.vocab_size, batch, length)
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), args.quant, args.group_size, parallel=tp)
+        ranks = measure_ranks(w)
+        if ranks is not None:
+            print_ranks(w, ranks, torch.get_num_threads())
+            if args.json is not None:
+                ranks_json(ranks, args.json)
 
 
 if __name__ == "__main__":

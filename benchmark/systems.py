@@ -64,7 +64,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
     name = "engine" if pages is None else "engine_paged"
     quant = f", weights {w.quant_label}" if w.quant_label else ""
     progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
-    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
+    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size, w.parallel)
     stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds
     ceilings: list[float] = []
 

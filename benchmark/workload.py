@@ -14,6 +14,7 @@ import torch
 from compression.config import CompressionConfig
 from engine.paged_cache import PageConfig
 from engine.scheduler import Request
+from models.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Workload:
     quant: str = "none"  # the engine's weights: none, int8 or int4 (models/quantized.py)
     group_size: int = 32
     gguf: Path | None = None  # the file llama.cpp runs
+    parallel: TensorParallel | None = None  # under torchrun: this rank's place; the engine then runs in the rank's own process
 
     @property
     def batch(self) -> int:
