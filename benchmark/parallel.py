@@ -61,8 +61,9 @@ def print_ranks(w: Workload, ranks: list[RankFigures], threads: int) -> None:
     config = read_config(w.checkpoint)
     decode = [t.decode_tok_s for t in ranks[0].trials]
     ttft = statistics.median(t.ttft_s for t in ranks[0].trials)
+    backend = "one process" if len(ranks) == 1 else "NCCL" if w.device.type == "cuda" else "gloo"
     print(
-        f"tensor parallel: {len(ranks)} rank(s) ({'NCCL' if w.device.type == 'cuda' else 'gloo'}), {threads} thread(s) each | "
+        f"tensor parallel: {len(ranks)} rank(s) ({backend}), {threads} thread(s) each | "
         f"{w.checkpoint.name}, {dtype_name(w.dtype)}, batch {w.batch}, prompt {w.prompt_len}, {w.new_tokens} new tokens, "
         f"{'compiled' if w.compile else 'eager'} step, {w.trials} trials"
     )

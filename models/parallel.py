@@ -1,13 +1,14 @@
 """Tensor parallelism: one model across N processes (ranks), and the two collectives the model calls.
 
 Each rank holds about 1/N of every layer (Megatron's split, as gpt-fast and vLLM do it):
-- q/k/v and gate/up are split by output columns: a rank computes whole heads (its own KV heads,
-  whose keys and values only it caches, with their query heads) and a slice of the MLP's hidden
-  units. Where N does not divide the KV heads the blocks differ by one head (SmolLM2's 3 KV
-  heads on 2 ranks: 1 and 2); a rank needs at least one;
-- o_proj and down_proj are split by input rows: each rank's product is a partial sum of the
-  output, and `reduce_sum` adds the N partial sums (one all-reduce after attention, one after
-  the MLP);
+- q/k/v and gate/up are split by their outputs (the rows of their [out, in] weights; Megatron's
+  column-parallel layers): a rank computes whole heads (its own KV heads, whose keys and values
+  only it caches, with their query heads) and a slice of the MLP's hidden units. Where N does
+  not divide the KV heads the blocks differ by one head (SmolLM2's 3 KV heads on 2 ranks: 1
+  and 2); a rank needs at least one;
+- o_proj and down_proj are split by their inputs (row-parallel): each rank's product is a
+  partial sum of the output, and `reduce_sum` adds the N partial sums (one all-reduce after
+  attention, one after the MLP);
 - the embedding table and the LM head are split by vocabulary rows: a rank looks up only the
   tokens it holds (zeros for the others, summed by one all-reduce) and computes the logits of
   its rows, which `gather_vocab` puts side by side on every rank.
@@ -120,6 +121,10 @@ def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor
     """The sum of every rank's x (partial products of a row-split layer); x itself on one rank."""
     if parallel is None:
         return x
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        # gloo: its 16-bit sum measured slower than float32's (README), and some versions have none;
+        # summed in float32, the result is rounded once on the way back.
+        return collectives.all_reduce(x.float(), "sum", parallel.group).to(x.dtype)
     return collectives.all_reduce(x, "sum", parallel.group)
 
 

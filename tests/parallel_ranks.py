@@ -39,12 +39,15 @@ class Case:
     temperature: float = 0.0
     prompts: tuple[tuple[int, ...], ...] = PROMPTS
     budget: int = 8  # the KV policy's; its hysteresis and window are half of it
+    device: str = "cpu"  # cuda: one GPU per rank, NCCL (every case of a run on the same kind of device)
+    cuda_graph: bool = False
 
 
-def run_case(case: Case, tp: TensorParallel | None) -> list[list[int]]:
-    """The case's tokens per prompt, on this rank's part of the model (tp) or on the whole of it (None)."""
+def run_case(case: Case, tp: TensorParallel | None, device: torch.device | None = None) -> list[list[int]]:
+    """The case's tokens per prompt, on this rank's part of the model (tp, on the rank's device) or
+    on the whole of it (None)."""
     torch.manual_seed(0)
-    model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), torch.device("cpu"), parallel=tp)
+    model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), device or torch.device(case.device), parallel=tp)
     half = case.budget // 2
     compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=case.budget, hysteresis=half, window=half)
     prompts = [list(p) for p in case.prompts]
@@ -52,17 +55,19 @@ def run_case(case: Case, tp: TensorParallel | None) -> list[list[int]]:
     with torch.inference_mode():
         if case.continuous:
             requests = [Request(prompt, case.new_tokens) for prompt in prompts]
-            return serve(model, requests, 2, frozenset(), sampling, compression, PageConfig(4), case.compile).tokens
+            return serve(model, requests, 2, frozenset(), sampling, compression, PageConfig(4), case.compile, case.cuda_graph).tokens
         pages = PageConfig(4) if case.paged else None
-        return generate(model, prompts, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, pages=pages).tokens
+        return generate(
+            model, prompts, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, cuda_graph=case.cuda_graph, pages=pages
+        ).tokens
 
 
 def main(cases_file: str, out_file: str) -> None:
     cases = [Case(**fields | {"prompts": tuple(map(tuple, fields["prompts"]))}) for fields in json.loads(Path(cases_file).read_text())]
-    tp, _ = parallel.start(torch.device("cpu"), timeout_s=300)
+    tp, device = parallel.start(torch.device(cases[0].device), timeout_s=300)
     results = []
     for case in cases:
-        tokens = run_case(case, tp)
+        tokens = run_case(case, tp, device)
         every_rank: list[object] = [None] * tp.world
         dist.all_gather_object(every_rank, tokens, group=tp.group)
         results.append({"case": asdict(case), "tokens": tokens, "ranks_agree": all(t == tokens for t in every_rank)})

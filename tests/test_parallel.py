@@ -55,6 +55,18 @@ def test_every_architecture_gives_the_single_process_tokens(tiny_checkpoint, tmp
     assert_equal_to_one_process(cases, tmp_path)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_with_nccl_and_cuda_graphs_give_the_single_gpu_tokens(tiny_checkpoint, tmp_path):
+    llama, qwen3 = str(tiny_checkpoint("llama")[0]), str(tiny_checkpoint("qwen3")[0])
+    cases = [
+        Case(llama, device="cuda"),
+        Case(llama, device="cuda", cuda_graph=True),
+        Case(qwen3, new_tokens=40, dtype="float64", device="cuda", cuda_graph=True, policy="beacon"),
+        Case(qwen3, new_tokens=40, dtype="float64", device="cuda", cuda_graph=True, continuous=True, policy="beacon"),
+    ]
+    assert_equal_to_one_process(cases, tmp_path)
+
+
 def test_every_kv_policy_compresses_each_ranks_heads_as_one_process_does(tiny_checkpoint, tmp_path):
     """Each rank scores and compacts only its own KV heads; the kept slots are the single process's,
     the random policy's draws included. In float64: in float32 the ranks' sums round differently
@@ -234,3 +246,25 @@ def test_real_models_give_the_single_process_tokens(name, packaged_model, tmp_pa
     prompts = tuple(tuple(tokenizer.encode_chat([{"role": "user", "content": c}])) for c in CHATS) + tuple(tuple(tokenizer.encode(p)) for p in PLAIN)
     cases = [Case(str(folder), new_tokens=48, policy=policy, prompts=prompts, budget=24) for policy in ("none", "beacon")]
     assert_equal_to_one_process(cases, tmp_path)
+
+
+def test_bench_py_under_torchrun_reports_each_ranks_share(tiny_checkpoint, tmp_path):
+    """Against the same command on one rank: the two ranks' KV caches add up to the whole one, and
+    their weights read per step to the whole model's plus what both read (the norms, one
+    embedding row each)."""
+    folder = tiny_checkpoint("llama")[0]
+    argv = ["bench.py", "--checkpoint", str(folder), "--prompt-len", "16", "--new-tokens", "8", "--trials", "2", "--no-compile", "--dtype", "float32"]
+    figures = {}
+    for ranks in (1, 2):
+        done = torchrun(*argv, "--json", str(tmp_path / f"{ranks}.json"), ranks=ranks)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("tensor parallel:") == 1 and done.stdout.count("decode:") == 1  # rank 0's table alone
+        figures[ranks] = json.loads((tmp_path / f"{ranks}.json").read_text())["ranks"]
+    (whole,), halves = figures[1], figures[2]
+    assert [r["kv_heads"] for r in halves] == [1, 1] and whole["kv_heads"] == 2
+    assert sum(r["kv_cache_bytes"] for r in halves) == whole["kv_cache_bytes"]
+    model = load_model(folder, torch.float32, CPU)
+    norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
+    embedding_row = model.config.hidden_size * 4
+    assert sum(r["weight_bytes"] for r in halves) == whole["weight_bytes"] + norms + embedding_row
+    assert all(len(r["trials"]) == 2 and r["peak_mem_bytes"] > 0 for r in halves)
