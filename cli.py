@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.paged_cache import PageConfig, default_block_size
@@ -124,8 +125,12 @@ def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
                 quiet.enter_context(contextlib.redirect_stdout(nowhere))
                 quiet.enter_context(contextlib.redirect_stderr(nowhere))
             yield
-    except RuntimeError as e:  # what gloo and NCCL raise when a peer is gone or a wait times out
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except RuntimeError as e:
+        # What a collective raises when a peer is gone or a wait times out: NCCL's DistError, gloo's
+        # RuntimeError from its own sources. Any other RuntimeError is a bug, and keeps its traceback.
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
+            raise
+        detail = str(e).strip().splitlines()[0]
         raise UserError(
             f"rank {tp.rank} of {tp.world}: a collective with the other ranks failed ({detail}); "
             "another rank died, hung past --rank-timeout, or stopped on an error of its own (see its message)"

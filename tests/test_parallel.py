@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import generate
+from cli import ranks_running
 from compression.config import POLICIES
 from conftest import ALL_KINDS
 from errors import UserError
@@ -211,6 +212,15 @@ def test_a_rank_that_hangs_ends_the_others_after_the_rank_timeout(chat_checkpoin
     assert done.returncode == 2
     assert done.stderr.startswith("error: rank 0 of 2: a collective with the other ranks failed (")
     assert "Timed out" in done.stderr
+
+
+def test_only_a_collectives_failure_becomes_the_one_line_error():
+    with pytest.raises(UserError, match=r"^rank 1 of 2: a collective with the other ranks failed \(\[third_party/gloo/pair.cc:5\] Connection closed by peer\); "):
+        with ranks_running(TensorParallel(1, 2, None)):
+            raise RuntimeError("[third_party/gloo/pair.cc:5] Connection closed by peer\nmore")
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # a bug keeps its traceback
+        with ranks_running(TensorParallel(1, 2, None)):
+            raise RuntimeError("shape mismatch")
 
 
 def test_a_device_without_a_backend_is_refused():
