@@ -119,12 +119,14 @@ def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
     if tp is None:
         yield
         return
+    finished = False
     try:
         with open(os.devnull, "w") as nowhere, contextlib.ExitStack() as quiet:
             if tp.rank > 0:
                 quiet.enter_context(contextlib.redirect_stdout(nowhere))
                 quiet.enter_context(contextlib.redirect_stderr(nowhere))
             yield
+        finished = True
     except RuntimeError as e:
         # What a collective raises when a peer is gone or a wait times out: NCCL's DistError, gloo's
         # RuntimeError from its own sources. Any other RuntimeError is a bug, and keeps its traceback.
@@ -136,4 +138,4 @@ def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
             "another rank died, hung past --rank-timeout, or stopped on an error of its own (see its message)"
         ) from None
     finally:
-        parallel.stop()
+        parallel.stop(tp, finished)

@@ -82,8 +82,12 @@ def start(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[T
     return TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD), device
 
 
-def stop() -> None:
-    if dist.is_available() and dist.is_initialized():
+def stop(parallel: TensorParallel, finished: bool) -> None:
+    """Leave the ranks. After a run that finished, wait for every rank first: a rank that tore its
+    process group down while another's last collective was in flight was once aborted (SIGABRT)."""
+    if finished:
+        dist.barrier(group=parallel.group)
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

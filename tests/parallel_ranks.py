@@ -73,7 +73,7 @@ def main(cases_file: str, out_file: str) -> None:
         results.append({"case": asdict(case), "tokens": tokens, "ranks_agree": all(t == tokens for t in every_rank)})
     if tp.rank == 0:
         Path(out_file).write_text(json.dumps(results))
-    parallel.stop()
+    parallel.stop(tp, finished=True)
 
 
 if __name__ == "__main__":
