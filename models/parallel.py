@@ -86,7 +86,10 @@ def stop(parallel: TensorParallel, finished: bool) -> None:
     """Leave the ranks. After a run that finished, wait for every rank first: a rank that tore its
     process group down while another's last collective was in flight was once aborted (SIGABRT)."""
     if finished:
-        dist.barrier(group=parallel.group)
+        try:
+            dist.barrier(group=parallel.group)
+        except RuntimeError:  # another rank ended on an error of its own, which it reports; this one's run is done
+            pass
     if dist.is_initialized():
         dist.destroy_process_group()
 

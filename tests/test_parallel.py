@@ -207,6 +207,13 @@ def test_a_rank_that_dies_ends_the_others_with_a_clear_error(chat_checkpoint):
     assert "another rank died, hung past --rank-timeout" in done.stderr
 
 
+def test_a_rank_that_finished_leaves_cleanly_when_another_has_died():
+    """The barrier before teardown fails without the dead rank; the rank whose run is done still exits 0."""
+    finished = "import torch; from models import parallel; tp, _ = parallel.start(torch.device('cpu'), 10); parallel.stop(tp, finished=True); print('left')"
+    done = by_hand([[sys.executable, "-c", finished], joins_then("import os; os._exit(1)")])[0]
+    assert (done.returncode, done.stdout) == (0, "left\n")
+
+
 def test_a_rank_that_hangs_ends_the_others_after_the_rank_timeout(chat_checkpoint):
     done = by_hand([generate_py(chat_checkpoint, "--rank-timeout", "3"), joins_then("import time; time.sleep(600)")])[0]
     assert done.returncode == 2
