@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from errors import UserError
@@ -20,12 +19,12 @@ from models.linear import column_major_on_cpu
 from models.parallel import TensorParallel
 from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
+from weights.safetensors_files import FETCH_AGAIN, INDEX, open_safetensors, read_weight_map, safetensors_files
 from weights.safetensors_writer import Entry
 from weights.sharding import Part, parts_shape, rank_parts, whole
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-INDEX = "model.safetensors.index.json"
 # config.json's mark of a checkpoint saved quantized (weights/quantize.py, python -m weights.gguf --quantized):
 # each linear weight is stored as int8 values beside float32 `.scales` (and `.zeros` for int4).
 QUANTIZED_KEY = "weight_quantization"
@@ -34,8 +33,6 @@ QUANT_SUFFIXES = (".scales", ".zeros")
 # perplexity and decodes 21-30% faster; int4 would cost 2-5% more (docs/performance.md).
 LM_HEAD_MODE = "int8"
 LINEARS = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
-# What to do about a damaged file of a checkpoint.
-_FETCH_AGAIN = "download or copy it again (a folder imported from a GGUF file: delete it and import it again)"
 
 
 def read_config(checkpoint: Path) -> ModelConfig:
@@ -90,72 +87,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_weight_map(checkpoint: Path) -> dict[str, str] | None:
-    """Tensor name -> shard file, from the index of a sharded checkpoint; None for a single file."""
-    index = checkpoint / INDEX
-    if not index.is_file():
-        return None
-    try:
-        raw = json.loads(index.read_text(encoding="utf-8"))
-    except ValueError as e:  # not JSON, or not UTF-8 text
-        raise UserError(f"{INDEX} in {checkpoint} is damaged (not valid JSON: {e}); {_FETCH_AGAIN}") from e
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
-        raise UserError(f'{INDEX} in {checkpoint} is damaged (it has no "weight_map" from tensor names to shard files); {_FETCH_AGAIN}')
-    return weight_map
-
-
-def safetensors_files(checkpoint: Path, weight_map: dict[str, str] | None) -> list[Path]:
-    if weight_map is not None:
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (checkpoint / s).is_file()]
-        if missing:
-            raise UserError(f"{checkpoint / INDEX} lists shards that are not in the folder: {', '.join(missing)}")
-        return [checkpoint / s for s in shards]
-    single = checkpoint / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise UserError(
-        f"{checkpoint} has no model.safetensors or {INDEX}; "
-        "the engine reads safetensors weights only (a GGUF file can be imported with python -m weights.gguf)"
-    )
-
-
-def _open_safetensors(path: Path) -> safe_open:
-    """The file, opened for reading. safe_open checks the whole header against the file's size, so a
-    damaged file fails here rather than at get_tensor."""
-    try:
-        return safe_open(path, framework="pt", device="cpu")
-    except SafetensorError as e:
-        raise UserError(f"{path.name} in {path.parent} is damaged ({_damage(path, e)}); {_FETCH_AGAIN}") from e
-    except OSError as e:  # not damage, e.g. no permission to read it
-        raise UserError(f"cannot read {path} ({e}); check that the file is readable") from e
-
-
-def _damage(path: Path, error: SafetensorError) -> str:
-    """What is wrong with a file safe_open refused. Most often a download was cut short, which the
-    sizes show; anything else is a damaged header, in safetensors' own words."""
-    size = path.stat().st_size
-    if size < 8:
-        return f"it is {size} bytes long, too short to hold a header: cut off during a copy or download?"
-    with open(path, "rb") as f:
-        header_length = int.from_bytes(f.read(8), "little")
-        header = f.read(header_length) if 8 + header_length <= size else b""
-    declared = 8 + header_length + (_data_length(header) or 0)
-    if declared > size:
-        return f"the file is shorter than its header says, {size} of {declared} bytes: cut off during a copy or download?"
-    return f"its header is damaged: {str(error).removeprefix('Error while deserializing header: ')}"
-
-
-def _data_length(header: bytes) -> int | None:
-    """How many bytes of tensor data a safetensors header describes; None if it is not a readable header."""
-    try:
-        entries = json.loads(header)
-        return max((int(entry["data_offsets"][1]) for name, entry in entries.items() if name != "__metadata__"), default=0)
-    except (ValueError, TypeError, LookupError, AttributeError):  # a damaged header can hold any JSON, or none
-        return None
-
-
 def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
     """The file of every tensor the model takes, by HF name, after checking names and shapes."""
     expected = expected_shapes(config)
@@ -175,14 +106,14 @@ def _quantization_shapes(checkpoint: Path, expected: dict[str, tuple[int, ...]])
     its files hold them (the number of groups is each tensor's own: a GGUF file mixes block types)."""
     shapes = {}
     for path in safetensors_files(checkpoint, read_weight_map(checkpoint)):
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 weight = name.rpartition(".")[0] + ".weight"
                 if name.endswith(QUANT_SUFFIXES) and len(expected.get(weight, ())) == 2:
                     rows, inputs = expected[weight]
                     groups = f.get_slice(name).get_shape()[-1]
                     if not groups or inputs % groups:
-                        raise UserError(f"{name} in {path.name} has {groups} groups, which do not divide the {inputs} inputs of {weight}; {_FETCH_AGAIN}")
+                        raise UserError(f"{name} in {path.name} has {groups} groups, which do not divide the {inputs} inputs of {weight}; {FETCH_AGAIN}")
                     shapes[name] = (rows, groups)
     for weight, shape in expected.items():
         if len(shape) == 2:
@@ -193,7 +124,7 @@ def _quantization_shapes(checkpoint: Path, expected: dict[str, tuple[int, ...]])
 def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], weight_map: dict[str, str] | None) -> list[str]:
     """The tensors of one file that the model takes, each checked against the index, the architecture and its shape."""
     wanted = []
-    with _open_safetensors(path) as f:
+    with open_safetensors(path) as f:
         for name in f.keys():
             # An index that places a tensor elsewhere was written for other shards: files from two downloads.
             if weight_map is not None and weight_map.get(name) != path.name:
@@ -256,12 +187,12 @@ def read_copy(located: dict[str, Path], parts: list[Part], shape: tuple[int, ...
     row = 0
     for part in parts:
         path = located[part.name]
-        with _open_safetensors(path) as f:
+        with open_safetensors(path) as f:
             first, end = part.rows or (0, f.get_slice(part.name).get_shape()[0])
         block = max(1, COPY_BLOCK_BYTES // max(1, out[0].numel() * out.element_size()))
         for start in range(first, end, block):
             stop = min(end, start + block)
-            with _open_safetensors(path) as f:
+            with open_safetensors(path) as f:
                 rows = f.get_slice(part.name)
                 out[row + start - first : row + stop - first].copy_(rows[start:stop] if part.columns is None else rows[start:stop, slice(*part.columns)])
         row += end - first
@@ -295,7 +226,7 @@ def read_state(
             state[name] = torch.zeros(expected[sources[0]], dtype=dtype, device=device)
             continue
         if name == "embed.weight" and device.type == "cpu":
-            with _open_safetensors(located[sources[0]]) as f:
+            with open_safetensors(located[sources[0]]) as f:
                 if SAFETENSORS_DTYPES.get(f.get_slice(sources[0]).get_dtype()) == dtype:
                     first, end = parts[0].rows or (0, config.vocab_size)
                     state[name] = f.get_tensor(sources[0])[first:end]  # a view: the map stays open as long as the tensor lives
@@ -348,10 +279,10 @@ def _read_stored(located: dict[str, Path], prefix: str) -> QuantizedWeight:
     tensors = {}
     for suffix in (".weight", *QUANT_SUFFIXES):
         if prefix + suffix in located:
-            with _open_safetensors(located[prefix + suffix]) as f:
+            with open_safetensors(located[prefix + suffix]) as f:
                 tensors[suffix] = f.get_tensor(prefix + suffix)
     if tensors[".weight"].dtype != torch.int8:
-        raise UserError(f"{prefix}.weight is stored as {tensors['.weight'].dtype}, not int8, beside its .scales; {_FETCH_AGAIN}")
+        raise UserError(f"{prefix}.weight is stored as {tensors['.weight'].dtype}, not int8, beside its .scales; {FETCH_AGAIN}")
     return QuantizedWeight(tensors[".weight"], tensors[".scales"].float(), None if ".zeros" not in tensors else tensors[".zeros"].float())
 
 
