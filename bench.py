@@ -5,6 +5,7 @@
     python bench.py --sweep 128,512,1024,2048 [--plot bench_sweep.png]
     python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
     python bench.py --paged                      (the engine on its paged cache too, side by side)
+    python bench.py --as-user [--trials 3]       (generate.py's default command in fresh processes, cold and warm, beside llama.cpp)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
     torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
 
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from benchmark.as_user import PROMPT, measure_as_user, print_as_user
 from benchmark.machine import Machine, bandwidth_roofline, describe_machine
 from benchmark.parallel import measure_ranks, print_ranks, ranks_json
 from benchmark.memory import gguf_traffic
@@ -52,13 +54,13 @@ from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import ServingWorkload, Workload, progress
 from cli import (
-    DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    DTYPES, add_compression_args, checkpoint_and_quant, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
     ranks_running, start_ranks,
 )
 from engine.paged_cache import PageConfig
 from errors import UserError, run_command
-from weights.download import resolve_checkpoint
-from weights.loader import read_config, stored_dtype
+from weights.loader import read_config, stored_quantized
+from weights.tokenizer import Tokenizer
 
 PROMPT_SEED = 0
 
@@ -77,13 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the engine's decode step; the warm-up run compiles it (default: on CPU, where it removes much of "
         "the per-op overhead; off on CUDA, where the CUDA graph removes it)",
     )
-    p.add_argument("--compare", choices=["transformers", "llama.cpp", "none"], help="also measure transformers (default: when it is installed) or llama.cpp")
+    p.add_argument(
+        "--compare", choices=["transformers", "llama.cpp", "none"],
+        help="also measure transformers or llama.cpp (default: llama.cpp for the bundled model at batch 1 when llama-cpp-python is installed, else transformers when it is)",
+    )
     p.add_argument("--gguf", type=Path, help="--compare llama.cpp: the GGUF file it runs (default: the bundled SmolLM2's, with the default checkpoint)")
     p.add_argument("--ceiling", action="store_true", help="also time the bare matrix products of a decode step, for the table's bare-matmul ceiling share (%%)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write every figure to this JSON file")
     p.add_argument("--sweep", metavar="LENGTHS", help="comma-separated prompt lengths, e.g. 128,512,1024,2048: one benchmark each, and a plot")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="where --sweep draws decode tok/s against prompt length (default bench_sweep.png)")
     p.add_argument("--seed", type=int, default=0, help="for the random KV policy")
+    p.add_argument(
+        "--as-user", action="store_true",
+        help="time generate.py's default command on the bundled model as a user runs it: fresh processes, wall time from start to exit, "
+        "a cold and a warm compile cache and eager, beside llama.cpp on the same GGUF file when llama-cpp-python is installed (benchmark/as_user.py)",
+    )
     w = p.add_argument_group("serving workload")
     w.add_argument("--workload", type=int, metavar="N", help="a serving benchmark of N prompts instead (see above)")
     w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
@@ -133,15 +143,17 @@ def compared_system(args: argparse.Namespace, batch: int) -> str:
         if batch != 1:
             raise UserError("--compare llama.cpp measures batch 1 only; drop --batch")
         return "llama.cpp"
+    if args.compare is None and args.checkpoint is None and batch == 1 and importlib.util.find_spec("llama_cpp") is not None:
+        return "llama.cpp"  # the bundled model runs its GGUF file's own blocks: llama.cpp is the system to beat on that file
     installed = importlib.util.find_spec("transformers") is not None
     if args.compare == "transformers" and not installed:
         raise UserError("--compare transformers needs transformers, which is not installed: pip install transformers (or --compare none)")
     return ("transformers" if installed else "none") if args.compare is None else args.compare
 
 
-def gguf_file(args: argparse.Namespace) -> Path | None:
+def gguf_file(args: argparse.Namespace, compare: str) -> Path | None:
     """The GGUF file llama.cpp runs: --gguf, or the bundled SmolLM2's when the checkpoint is the default."""
-    if args.compare != "llama.cpp":
+    if compare != "llama.cpp":
         return None
     if args.gguf is None and args.checkpoint is not None:
         raise UserError("--compare llama.cpp runs a GGUF file: pass it with --gguf (python -m weights.packaged smollm2|qwen-coder --gguf prints the packaged ones)")
@@ -159,10 +171,14 @@ def random_prompts(vocab_size: int, batch: int, length: int) -> list[list[int]]:
     return torch.randint(vocab_size, (batch, length), generator=generator).tolist()
 
 
-def default_checkpoint() -> Path:
-    from weights.packaged import smollm2_checkpoint  # imports the GGUF machinery only when it is needed
-
-    return smollm2_checkpoint()
+def peer_checkpoint(args: argparse.Namespace, checkpoint: Path, compare: str) -> Path | None:
+    """The float checkpoint transformers runs when the engine runs one saved quantized, which only
+    the engine reads: the bundled model's float copy. None: the engine's own."""
+    if compare != "transformers" or not stored_quantized(checkpoint):
+        return None
+    if args.checkpoint is not None:
+        raise UserError(f"{checkpoint} is saved quantized, which transformers cannot load; use --compare llama.cpp (with --gguf) or none")
+    return checkpoint_and_quant(None, "none", args.group_size)[0]
 
 
 def measure(w: Workload, model_type: str, machine: Machine, compare: str, pages: PageConfig | None) -> Report:
@@ -209,6 +225,9 @@ def run(args: argparse.Namespace) -> None:
     if args.workload is not None:
         run_workload(args)
         return
+    if args.as_user:
+        run_as_user(args)
+        return
     batch = positive("--batch", args.batch)
     trials = positive("--trials", args.trials)
     new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
@@ -219,10 +238,10 @@ def run(args: argparse.Namespace) -> None:
         if out is not None and not out.parent.is_dir():
             raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
     device = pick_device(args.device)
-    checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
-    gguf = gguf_file(args)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    gguf = gguf_file(args, compare)
     config = read_config(checkpoint)
-    dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
     if lengths[-1] + new_tokens > config.max_position_embeddings:
         raise UserError(
             f"prompt of {lengths[-1]} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions; "
@@ -235,7 +254,10 @@ def run(args: argparse.Namespace) -> None:
     reports = []
     for length in lengths:
         prompts = random_prompts(config.vocab_size, batch, length)
-        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), args.quant, args.group_size, gguf)
+        w = Workload(
+            checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), quant, args.group_size, gguf,
+            peer_checkpoint=peer_checkpoint(args, checkpoint, compare),
+        )
         reports.append(measure(w, config.model_type, machine, compare, pages))
         print_report(reports[-1])
     if args.sweep is not None:
@@ -245,6 +267,21 @@ def run(args: argparse.Namespace) -> None:
         data = reports[0].to_json() if args.sweep is None else {"sweep": [r.to_json() for r in reports], "plot": str(plot)}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
         progress(f"wrote {args.json}")
+
+
+def run_as_user(args: argparse.Namespace) -> None:
+    if args.checkpoint is not None or args.sweep is not None or args.batch != 1 or args.compare not in (None, "llama.cpp"):
+        raise UserError("--as-user times the bundled model's default command beside llama.cpp; drop --checkpoint, --sweep, --batch and --compare")
+    from weights.packaged import smollm2_checkpoint, smollm2_gguf
+
+    trials = positive("--trials", args.trials)
+    new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)
+    gguf = smollm2_gguf() if importlib.util.find_spec("llama_cpp") is not None else None
+    if gguf is None:
+        progress("llama-cpp-python is not installed: the engine's runs alone")
+    prompt = Tokenizer.from_dir(smollm2_checkpoint(quantized=True)).encode_chat([{"role": "user", "content": PROMPT}])
+    runs = measure_as_user(gguf, prompt, new_tokens, trials, torch.get_num_threads())
+    print_as_user(runs, describe_machine(torch.device("cpu")), new_tokens, trials)
 
 
 def run_workload(args: argparse.Namespace) -> None:
@@ -259,15 +296,18 @@ def run_workload(args: argparse.Namespace) -> None:
     if args.json is not None and not args.json.parent.is_dir():
         raise UserError(f"cannot write {args.json}: folder {args.json.parent} does not exist")
     device = pick_device(args.device)
-    checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     config = read_config(checkpoint)
     if prompt_lens[1] + new_tokens[1] > config.max_position_embeddings:
         raise UserError(f"prompts of up to {prompt_lens[1]} + {new_tokens[1]} new tokens exceed the model's {config.max_position_embeddings} positions")
-    dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
     requests = random_requests(config.vocab_size, n, prompt_lens, new_tokens, PROMPT_SEED)
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     pages = page_config(args, device, True)
-    w = ServingWorkload(checkpoint, dtype, device, requests, max_batch, trials, compile_step, compression_config(args), pages, args.quant, args.group_size)
+    w = ServingWorkload(
+        checkpoint, dtype, device, requests, max_batch, trials, compile_step, compression_config(args), pages, quant, args.group_size,
+        peer_checkpoint=peer_checkpoint(args, checkpoint, compare),
+    )
     machine = describe_machine(device)
     figures_by_system = measure_serving(w, compare)
     print_serving(w, machine, figures_by_system)
@@ -288,14 +328,14 @@ def run_ranks(args: argparse.Namespace) -> None:
         raise UserError(f"cannot write {args.json}: folder {args.json.parent} does not exist")
     tp, device = start_ranks(args, pick_device(args.device))
     with ranks_running(tp):
-        checkpoint = default_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+        checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
         config = read_config(checkpoint)
         if length + new_tokens > config.max_position_embeddings:
             raise UserError(f"prompt of {length} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions")
-        dtype = pick_dtype(args.dtype, stored_dtype(checkpoint), device)
+        dtype = pick_dtype(args.dtype, checkpoint, device, quant)
         compile_step = device.type == "cpu" if args.compile is None else args.compile
         prompts = random_prompts(config.vocab_size, batch, length)
-        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), args.quant, args.group_size, parallel=tp)
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), quant, args.group_size, parallel=tp)
         ranks = measure_ranks(w)
         if ranks is not None:
             print_ranks(w, ranks, torch.get_num_threads())

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,14 +16,36 @@ from errors import UserError
 from models import parallel
 from models.parallel import TensorParallel
 from models.quantized import GROUP_SIZES, QUANT_MODES
+from weights.download import resolve_checkpoint
+from weights.loader import stored_dtype, stored_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantized weights (weight-only; activations stay in --dtype)")
-    g.add_argument("--quant", choices=QUANT_MODES, default="none", help="int8: per output channel; int4: per group of --group-size inputs. the embedding and LM head go int8 in both; norms and biases stay in --dtype")
+    g.add_argument(
+        "--quant", choices=("auto", *QUANT_MODES), default="auto",
+        help="auto: the checkpoint as stored, and the bundled model in its own 4-bit blocks (none: its float copy); "
+        "int8: per output channel; int4: per group of --group-size inputs. the embedding and LM head go int8 in both; norms and biases stay in --dtype",
+    )
     g.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32, help="--quant int4: inputs that share one scale and zero")
+
+
+def checkpoint_and_quant(checkpoint: str | None, quant: str, group_size: int) -> tuple[Path, str]:
+    """The checkpoint folder to load, and the quantization load_model applies to it ("none": as stored).
+
+    The bundled SmolLM2's file is 4-bit (Q4_1): by default, and for --quant int4 in groups of its
+    own 32, the engine runs those blocks as they are (weights/gguf_blocks.py), so each token reads
+    the bytes llama.cpp reads; a float copy of them reads 8 times as many. --quant none gives the
+    float copy, --quant int8 that copy in 8 bits."""
+    if checkpoint is None:
+        from weights.gguf_blocks import GROUP  # the GGUF machinery, imported only for the bundled model
+        from weights.packaged import smollm2_checkpoint
+
+        own_blocks = quant == "auto" or (quant == "int4" and group_size == GROUP)
+        return smollm2_checkpoint(quantized=own_blocks), "none" if own_blocks else quant
+    return resolve_checkpoint(checkpoint), "none" if quant == "auto" else quant
 
 
 def add_compression_args(p: argparse.ArgumentParser) -> None:
@@ -86,11 +109,19 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def pick_dtype(name: str, checkpoint: Path, device: torch.device, quant: str) -> torch.dtype:
+    """The activations' dtype: --dtype, or for auto the fastest that keeps the checkpoint's precision.
+
+    - Quantized weights (--quant int8/int4, or a checkpoint saved quantized): bfloat16, on every
+      CPU kind and on CUDA. torch's CPU int4 product with float32 activations is 4-5x slower than
+      with bfloat16 ones (docs/performance.md), and the weights carry less precision than either.
+    - Float weights: the checkpoint's dtype, except float16 on CPU, whose products are emulated
+      there; bfloat16 has the same size and native kernels."""
     if name != "auto":
         return DTYPES[name]
-    dtype = DTYPES.get(checkpoint_dtype or "", torch.float32)
-    # float16 matmuls are emulated and slow on CPU; bfloat16 has the same size and native kernels.
+    if quant != "none" or stored_quantized(checkpoint):
+        return torch.bfloat16
+    dtype = DTYPES.get(stored_dtype(checkpoint) or "", torch.float32)
     return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
 
 

@@ -18,6 +18,8 @@ reproducible. Each sampling flag overrides its value; --temperature 0 is greedy.
 # llama-cli's defaults, for checkpoints whose generation_config.json says nothing about sampling.
 LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
 
+COMPILE_NOTICE = "compiling the decode step (one transformer block, reused by every layer); --no-compile runs eager"
+
 import argparse
 import signal
 import sys
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from cli import (
-    DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    DTYPES, add_compression_args, checkpoint_and_quant, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
     ranks_running, start_ranks,
 )
 from compression.config import CompressionConfig
@@ -38,10 +40,8 @@ from engine.scheduler import BatchRun, Request, serve
 from engine.stop_strings import StopStrings
 from errors import UserError, run_command
 from models.parallel import TensorParallel, from_rank0, launched_ranks
-from weights.download import resolve_checkpoint
 from weights.generation_config import sampling_defaults
-from weights.loader import load_model, stored_dtype
-from weights.packaged import smollm2_checkpoint
+from weights.loader import load_model
 from weights.tokenizer import StreamDecoder, Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-i", "--interactive", action="store_true", help="chat: read one message per line from stdin; each turn prefills only what it adds")
     p.add_argument("--context", type=int, help="--interactive: cache slots for the whole conversation (default: the model's limit, at most 4096)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per answer")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token: exactly --max-new-tokens per answer (for timing runs)")
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, else llama-cli's; see above)")
     g.add_argument("--temperature", type=float, help="0 is greedy decoding")
     g.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (0: off)")
@@ -69,8 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--stop", action="append", default=[], metavar="STRING", help="end the answer before this text (repeatable)")
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow to start, checks it is graph-capturable)")
+    p.add_argument(
+        "--dtype", choices=["auto", *DTYPES], default="auto",
+        help="activations and KV cache. auto: bfloat16 with quantized weights (the bundled model's included); else the checkpoint's dtype, bfloat16 for float16 on CPU",
+    )
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the decode step, one transformer block compiled and reused by every layer "
+        "(default: on CPU; the first run compiles, later ones reuse inductor's on-disk cache; --no-compile: eager)",
+    )
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None, help="capture the decode step as a CUDA graph and replay it (default: on with CUDA)")
     add_quant_args(p)
     add_compression_args(p)
@@ -86,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--interactive reads its messages from stdin; drop the prompt or --prompt-file")
     if args.max_batch is not None and args.prompt_file is None:
         p.error("--max-batch runs the prompts of --prompt-file a few at a time; add --prompt-file")
+    if args.ignore_eos and args.interactive:
+        p.error("--ignore-eos would never end a chat answer; drop it with --interactive")
     if args.context is not None and not args.interactive:
         p.error("--context sizes an --interactive chat's cache; a one-shot run sizes it from the prompt")
     if any(not stop for stop in args.stop):
@@ -131,15 +141,27 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool | None, 
 
 def summary(result: GenerationResult) -> str:
     prefill_rate = result.prompt_tokens / result.prefill_s if result.prefill_s else 0.0
-    decoded = result.decode_steps * len(result.tokens)
-    decode_rate = decoded / result.decode_s if result.decode_s else 0.0
     return (
         f"prompt tokens: {result.prompt_tokens} | new tokens: {result.new_tokens} | "
-        f"prefill: {prefill_rate:.1f} tok/s | decode: {decode_rate:.1f} tok/s | "
-        f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
+        f"prefill: {prefill_rate:.1f} tok/s | decode: {result.decode_tok_s:.1f} tok/s | "
+        + (f"compile: {result.compile_s:.1f} s | " if result.compile_s else "")
+        + f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
         + (f" ({result.kv_peak_bytes / 2**20:.1f} MiB held at most)" if result.kv_peak_bytes < result.kv_cache_bytes else "")
         + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
     )
+
+
+class CompileNotice:
+    """Says once on stderr, just before the first decode step, that the step is being compiled
+    (after every check of the input has passed, so a bad request stays one line of error)."""
+
+    def __init__(self, compiling: bool):
+        self.pending = compiling
+
+    def __call__(self) -> None:
+        if self.pending:
+            print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+            self.pending = False
 
 
 class AnswerText:
@@ -177,14 +199,15 @@ def run(args: argparse.Namespace) -> None:
 
 def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.device, compression: CompressionConfig) -> None:
     """The run on this process: the whole model, or under torchrun this rank's part of it (only rank 0 prints)."""
-    checkpoint = smollm2_checkpoint() if args.checkpoint is None else resolve_checkpoint(args.checkpoint)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
     prompts = None
     if not args.interactive:  # rank 0 reads them (stdin reaches one process), every rank encodes them
         texts = from_rank0(read_prompts(args) if tp is None or tp.rank == 0 else None, tp)
         prompts = encode_prompts(tokenizer, texts, args.chat, args.system)
-    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), device), device, args.quant, args.group_size, tp)
+    model = load_model(checkpoint, pick_dtype(args.dtype, checkpoint, device, quant), device, quant, args.group_size, tp)
+    args.compile = device.type == "cpu" if args.compile is None else args.compile
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pages = page_config(args, device, args.paged or args.max_batch is not None)
@@ -205,8 +228,10 @@ def answer(
     """One run over a batch of prompts: a single answer streams, a batch prints once complete."""
     texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
     streaming = len(prompts) == 1
+    notice = CompileNotice(args.compile)
 
     def on_tokens(tokens: list[int | None]) -> list[int]:
+        notice()
         for text, token in zip(texts, tokens):
             if token is not None:
                 piece = text.push(token)
@@ -214,7 +239,7 @@ def answer(
                     print(piece, end="", flush=True)
         return [row for row, text in enumerate(texts) if text.stops.stopped]
 
-    result = generate(model, prompts, args.max_new_tokens, tokenizer.eos_ids, sampling, args.compile, on_tokens, compression, cuda_graph, pages)
+    result = generate(model, prompts, args.max_new_tokens, eos_ids(args, tokenizer), sampling, args.compile, on_tokens, compression, cuda_graph, pages)
     endings = [text.flush() for text in texts]
     if streaming:
         print(endings[0], flush=True)  # all of the answer before the summary, when both go to a terminal
@@ -234,7 +259,10 @@ def answer_continuously(
     done = [False] * len(prompts)
     printed = 0
 
+    notice = CompileNotice(args.compile)
+
     def on_token(prompt: int, token: int) -> bool:
+        notice()
         texts[prompt].push(token)
         return texts[prompt].stops.stopped
 
@@ -247,8 +275,12 @@ def answer_continuously(
             printed += 1
 
     requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
-    run = serve(model, requests, args.max_batch, tokenizer.eos_ids, sampling, compression, pages, args.compile, cuda_graph, on_token, on_done)
+    run = serve(model, requests, args.max_batch, eos_ids(args, tokenizer), sampling, compression, pages, args.compile, cuda_graph, on_token, on_done)
     print(batch_summary(run), file=sys.stderr)
+
+
+def eos_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> frozenset[int]:
+    return frozenset() if args.ignore_eos else tokenizer.eos_ids
 
 
 def batch_summary(run: BatchRun) -> str:
@@ -274,6 +306,7 @@ def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, session: Session
     if args.chat is False:
         raise UserError("--interactive is a chat over the chat template; drop --no-chat")
     conversation = Conversation(session, tokenizer, args.system, model.config.max_position_embeddings)
+    notice = CompileNotice(args.compile)  # one session for the whole chat: its first answer compiles
     print(f"chat: {session.cache.n_slots} cache slots; /reset starts over, /exit or end of input leaves, Ctrl-C stops an answer", file=sys.stderr)
     while True:
         print("> ", end="", file=sys.stderr, flush=True)
@@ -291,6 +324,7 @@ def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, session: Session
         interrupted = []
 
         def on_tokens(tokens: list[int | None]) -> list[int]:
+            notice()
             if tokens[0] is not None:
                 print(text.push(tokens[0]), end="", flush=True)
             return [0] if text.stops.stopped or interrupted else []

@@ -113,8 +113,8 @@ def load_transformers_batched(w: ServingWorkload) -> Loaded:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    progress(f"transformers: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=w.dtype).to(w.device).eval()
+    progress(f"transformers: loading {w.peer_checkpoint or w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(w.peer_checkpoint or w.checkpoint, dtype=w.dtype).to(w.device).eval()
 
     def run_batch(batch: list[Request]) -> tuple[int, int]:
         longest = max(len(r.prompt) for r in batch)

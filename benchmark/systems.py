@@ -82,7 +82,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
                 compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages,
             )
         stats.append((result.compression, result.decode_s))
-        trial = Trial(first_token_at[0] - start, w.batch * result.decode_steps / result.decode_s, result.kv_cache_bytes)
+        trial = Trial(first_token_at[0] - start, result.decode_tok_s, result.kv_cache_bytes)
         if w.ceiling:  # right after each trial, so that the share compares figures taken together
             ceilings.append(matmul_ceiling_tok_s(model, w.batch))
         return trial
@@ -103,8 +103,8 @@ def load_transformers(w: Workload, static: bool) -> Loaded:
 
     transformers.logging.set_verbosity_error()  # generation-config advice, not results
     name = "transformers_static" if static else "transformers"
-    progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(w.checkpoint, dtype=w.dtype).to(w.device).eval()
+    progress(f"{name}: loading {w.peer_checkpoint or w.checkpoint} as {dtype_name(w.dtype)} on {w.device}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(w.peer_checkpoint or w.checkpoint, dtype=w.dtype).to(w.device).eval()
     ids = torch.tensor(w.prompts, device=w.device)
     options: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), do_sample=False, return_dict_in_generate=True)
     if static:

@@ -34,6 +34,7 @@ class Workload:
     group_size: int = 32
     gguf: Path | None = None  # the file llama.cpp runs
     parallel: TensorParallel | None = None  # under torchrun: this rank's place; the engine then runs in the rank's own process
+    peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
 
     @property
     def batch(self) -> int:
@@ -85,6 +86,7 @@ class ServingWorkload:
     pages: PageConfig  # continuous batching's cache; n_blocks None: static batching's memory
     quant: str = "none"
     group_size: int = 32
+    peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
 
     @property
     def new_tokens(self) -> int:

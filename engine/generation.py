@@ -14,6 +14,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, PerRowManagers
+from engine.compile import compile_blocks
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
@@ -37,6 +38,13 @@ class GenerationResult:
     kv_cache_bytes: int  # allocated
     kv_peak_bytes: int  # held at the peak: all of it in the contiguous cache, the most blocks in use in the paged one
     compression: CompressionStats | None = None
+    compile_s: float = 0.0  # of decode_s, the first step's, which compiled the blocks (0 when eager)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second over the steps after the compile, summed over rows."""
+        steps, seconds = (self.decode_steps - 1, self.decode_s - self.compile_s) if self.compile_s else (self.decode_steps, self.decode_s)
+        return steps * len(self.tokens) / seconds if steps > 0 and seconds > 0 else 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -55,26 +63,6 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
             f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's maximum of {limit} positions; "
             "shorten the prompt or lower --max-new-tokens"
         )
-
-
-# Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
-SIMD_BITS = {"AVX512": 512, "AVX2": 256}
-
-
-def compile_decode_step(device: torch.device, tensor_parallel: bool = False) -> Callable[..., torch.Tensor]:
-    """The decode step as one compiled graph. On CPU its host code is C++ (inductor's
-    cpp_wrapper), which calls the step's ~300 kernels without Python in between; under tensor
-    parallelism it stays Python, because cpp_wrapper cannot call the collectives (torch 2.13).
-
-    On CPU the generated code's vector width is set to that of torch's own kernels. Inductor
-    follows ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: a step
-    compiled under the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width
-    given as an option is part of the cache key."""
-    options: dict[str, object] = {"cpp_wrapper": device.type == "cpu" and not tensor_parallel}
-    simd_bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
-    if device.type == "cpu" and simd_bits is not None:
-        options["cpp.simdlen"] = simd_bits
-    return torch.compile(decode_step, fullgraph=True, options=options)
 
 
 class Session:
@@ -126,6 +114,7 @@ class Session:
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self._guards_checked = False
+        self.compile_s = 0.0  # the first compiled step's time: compiling, or loading the compiled code from inductor's cache
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
         """Append one list of tokens per row; returns the first sampled token of each row."""
@@ -229,8 +218,8 @@ class Session:
             self.finished[row] = True
 
     def _build_step(self) -> Callable[..., object]:
-        step = compile_decode_step(self.model.device, self.model.parallel is not None) if self.compile else decode_step
-        advance = partial(step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen)
+        layers = compile_blocks(self.model) if self.compile else None
+        advance = partial(decode_step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen, layers=layers)
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:
@@ -238,12 +227,14 @@ class Session:
         return advance
 
     def _unguarded(self, advance: Callable[[], object]) -> None:
-        """A compiled step's first call checks its guards against these very objects; nothing the
-        guards read changes between steps (only tensor values do), so later calls skip the check.
-        With several compiled versions in the process, torch still checks what tells them apart."""
+        """The compiled blocks' first step checks their guards against these very objects; nothing
+        the guards read changes between steps (only tensor values do), so later steps skip the
+        check. With several compiled versions in the process, torch still checks what tells them apart."""
         if not self._guards_checked:
             self._guards_checked = True
+            start = time.perf_counter()
             advance()
+            self.compile_s = time.perf_counter() - start
             return
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             advance()
@@ -310,4 +301,4 @@ def generate(
     tokens, steps = decode(session, first, max_new_tokens, on_tokens)
     decode_s = time.perf_counter() - start
     cache = session.cache
-    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, cache.peak_bytes, session.stats)
+    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, cache.peak_bytes, session.stats, session.compile_s)

@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cli import DTYPES, add_quant_args, pick_dtype
+from cli import DTYPES, add_quant_args, checkpoint_and_quant, pick_dtype
 from engine.decode import prefill
 from engine.kv_cache import KVCache
 from errors import UserError, run_command
 from models.transformer import Transformer
-from weights.download import resolve_checkpoint
-from weights.loader import load_model, stored_dtype
+from weights.loader import load_model
 from weights.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -97,11 +96,11 @@ def run(args: argparse.Namespace) -> None:
     for path in [*args.text, *([args.gguf] if args.gguf else [])]:
         if not path.is_file():
             raise UserError(f"{path}: no such file")
-    checkpoint = resolve_checkpoint(args.checkpoint)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     tokenizer = Tokenizer.from_dir(checkpoint)
     texts = {path: windows(tokenizer.encode(read_text(path), add_special_tokens=False)[: args.tokens], args.window) for path in args.text}
-    model = load_model(checkpoint, pick_dtype(args.dtype, stored_dtype(checkpoint), CPU), CPU, args.quant, args.group_size)
-    scorers = {f"engine ({args.quant if args.quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')})": lambda w: engine_nll(model, w)}
+    model = load_model(checkpoint, pick_dtype(args.dtype, checkpoint, CPU, quant), CPU, quant, args.group_size)
+    scorers = {f"engine ({quant if quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')})": lambda w: engine_nll(model, w)}
     if args.gguf is not None:
         scorers[f"llama.cpp ({args.gguf.name})"] = llama_cpp_nll(args.gguf, args.window)
     for path, token_windows in texts.items():

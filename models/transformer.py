@@ -11,7 +11,7 @@ heads, the MLP width and the vocabulary; a sum after the embedding, two per laye
 of the logits join the ranks' parts.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, C]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [L, B, H_kv, S, D], this layer's part written in place; paged: [L, n_blocks, H_kv, block, D]
+        k_cache: torch.Tensor,  # [B, H_kv, S, D] this layer's keys, written in place; paged: [n_blocks, H_kv, block, D]
         v_cache: torch.Tensor,  # like k_cache
-        layer: int,  # this layer's index in the cache
         write_slots: torch.Tensor,  # [B, T] cache slot of each new token
         mask: torch.Tensor | None,  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T
         pages: Pages | None = None,  # with a paged cache: its block table, and where the slots read lie
@@ -77,19 +76,16 @@ class Attention(nn.Module):
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
 
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
-        # The write indexes the whole [L, ...] buffer with tensors, the layer included: through a
-        # per-layer view (or with scatter_), torch.compile copied the whole cache at every step.
-        layer_index = torch.full((1, 1), layer, device=x.device)  # [1, 1]
         if pages is None:
             rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
-            k_cache[layer_index, rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
-            v_cache[layer_index, rows, :, write_slots] = v.transpose(1, 2)
-            out = attend(q, k_cache[layer], v_cache[layer], write_slots, mask)  # [B, H, T, D]
+            k_cache[rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
+            v_cache[rows, :, write_slots] = v.transpose(1, 2)
+            out = attend(q, k_cache, v_cache, write_slots, mask)  # [B, H, T, D]
         else:
-            blocks, offsets = page_address(pages.table, write_slots, k_cache.shape[3])  # [B, T] each
-            k_cache[layer_index, blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
-            v_cache[layer_index, blocks, :, offsets] = v.transpose(1, 2)
-            out = attend_pages(q, k_cache[layer], v_cache[layer], pages, write_slots, mask)
+            blocks, offsets = page_address(pages.table, write_slots, k_cache.shape[2])  # [B, T] each
+            k_cache[blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
+            v_cache[blocks, :, offsets] = v.transpose(1, 2)
+            out = attend_pages(q, k_cache, v_cache, pages, write_slots, mask)
         return reduce_sum(self.wo(out.transpose(1, 2).reshape(B, T, H * D)), self.parallel), q_before_rope
 
 
@@ -158,16 +154,15 @@ class Block(nn.Module):
         x: torch.Tensor,  # [B, T, C]
         cos: torch.Tensor,  # [B, T, D]
         sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]
-        v_cache: torch.Tensor,  # [L, B, H_kv, S, D]
-        layer: int,
+        k_cache: torch.Tensor,  # [B, H_kv, S, D] this layer's; paged: [n_blocks, H_kv, block, D]
+        v_cache: torch.Tensor,  # like k_cache
         write_slots: torch.Tensor,  # [B, T]
         mask: torch.Tensor | None,  # [B, 1, T, S]
         pages: Pages | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
         attended, queries = self.attn(
-            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, layer=layer, write_slots=write_slots, mask=mask,
+            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, write_slots=write_slots, mask=mask,
             pages=pages,
         )
         x = x + attended
@@ -215,6 +210,7 @@ class Transformer(nn.Module):
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
         on_queries: Callable[[int, torch.Tensor], None] | None = None,
         block_table: torch.Tensor | None = None,  # [B, max_blocks]: k_cache/v_cache are pools of blocks
+        layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None,  # run in place of self.layers (compiled ones)
     ) -> torch.Tensor:
         """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
         on_queries(layer, queries before RoPE [B, H, T, D]) is called as each layer finishes, for a
@@ -228,8 +224,8 @@ class Transformer(nn.Module):
         if block_table is not None:
             n_read = tokens.shape[1] if mask is None else mask.shape[-1]
             pages = read_pages(block_table, n_read, k_cache.shape[2], k_cache.shape[3])
-        for i, layer in enumerate(self.layers):
-            x, q = layer(x, cos, sin, k_cache=k_cache, v_cache=v_cache, layer=i, write_slots=write_slots, mask=mask, pages=pages)
+        for i, layer in enumerate(self.layers if layers is None else layers):
+            x, q = layer(x, cos, sin, k_cache=k_cache[i], v_cache=v_cache[i], write_slots=write_slots, mask=mask, pages=pages)
             if on_queries is not None:
                 on_queries(i, q)
         if logit_index is not None:

@@ -39,7 +39,9 @@ def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpo
     assert code == 0
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the fox 🦊"}]
     assert out == transformers_answer(chat_checkpoint, messages, None, 24) + "\n"
-    assert err.startswith("prompt tokens: ") and "decode:" in err and "KV cache:" in err
+    notice, summary = err.splitlines()
+    assert notice == generate.COMPILE_NOTICE  # compiled by default on CPU, and said so once
+    assert summary.startswith("prompt tokens: ") and "decode:" in summary and "| compile: " in summary and "KV cache:" in summary
 
 
 def test_no_chat_encodes_the_plain_prompt(chat_checkpoint, capsys):
@@ -74,7 +76,7 @@ def test_the_script_streams_from_stdin_as_a_real_process(chat_checkpoint):
         input="hello from stdin", capture_output=True, text=True, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.endswith("\n") and done.stderr.count("\n") == 1
+    assert done.stdout.endswith("\n") and done.stderr.splitlines()[0] == generate.COMPILE_NOTICE and done.stderr.count("\n") == 2
 
 
 @pytest.mark.parametrize(

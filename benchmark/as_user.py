@@ -1,0 +1,98 @@
+"""bench.py --as-user: the bundled model as a user runs it, each run a fresh process timed from its
+start to its exit, beside llama.cpp on the same GGUF file.
+
+- engine, cold cache: `python generate.py PROMPT` with an empty inductor cache of its own, so the
+  run pays the whole compile (the first run on a new machine);
+- engine, warm cache: the same with a cache that one earlier run filled (every later run);
+- engine, eager: the same with --no-compile;
+- llama.cpp: a process that loads the GGUF file with llama-cpp-python, feeds it the same prompt
+  tokens and decodes greedily, as many threads as torch uses.
+
+Every run makes exactly --new-tokens tokens (the engine with --ignore-eos, llama.cpp never looks for
+EOS), greedy. Decode tok/s is the one each process reports for itself; wall time covers everything
+(interpreter start, imports, loading, compiling, prefill, decode). Each figure is the median of
+--trials runs, the systems taking their runs in turn.
+"""
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmark.machine import Machine
+from benchmark.workload import progress
+from errors import UserError
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+REPO = Path(__file__).resolve().parent.parent
+DECODE_RATE = re.compile(r"decode: ([0-9.]+) tok/s")
+
+
+@dataclass(frozen=True)
+class UserRun:
+    wall_s: float
+    decode_tok_s: float
+
+
+def _timed(command: list[str], env: dict[str, str]) -> UserRun:
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise UserError(f"{' '.join(command[:3])} ... failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    rate = DECODE_RATE.findall(done.stderr)
+    if not rate:
+        raise UserError(f"no 'decode: N tok/s' in the output of {' '.join(command[:3])} ...: {done.stderr.strip()[-300:]}")
+    return UserRun(wall, float(rate[-1]))
+
+
+def engine_command(new_tokens: int, *flags: str) -> list[str]:
+    return [sys.executable, "generate.py", PROMPT, "--max-new-tokens", str(new_tokens), "--ignore-eos", "--temperature", "0", *flags]
+
+
+def llama_cpp_command(gguf: Path, prompt_tokens: list[int], new_tokens: int, threads: int) -> list[str]:
+    return [sys.executable, "-m", "benchmark.llama_cpp_run", str(gguf), json.dumps(prompt_tokens), str(new_tokens), str(threads)]
+
+
+def measure_as_user(gguf: Path | None, prompt_tokens: list[int], new_tokens: int, trials: int, threads: int) -> dict[str, list[UserRun]]:
+    """Each system's runs, in turn; the warm cache is filled by one untimed run first."""
+    runs: dict[str, list[UserRun]] = {"engine, cold cache": [], "engine, warm cache": [], "engine, eager": []}
+    if gguf is not None:
+        runs["llama.cpp"] = []
+    with tempfile.TemporaryDirectory(prefix="bench-as-user-") as scratch:
+        warm = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "warm"))
+        progress("engine: one run to fill the warm cache")
+        _timed(engine_command(new_tokens), warm)
+        for trial in range(trials):
+            cold = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / f"cold-{trial}"))
+            for name, command, env in (
+                ("engine, cold cache", engine_command(new_tokens), cold),
+                ("engine, warm cache", engine_command(new_tokens), warm),
+                ("engine, eager", engine_command(new_tokens, "--no-compile"), warm),
+                *([("llama.cpp", llama_cpp_command(gguf, prompt_tokens, new_tokens, threads), dict(os.environ))] if gguf else []),
+            ):
+                runs[name].append(_timed(command, env))
+                progress(f"trial {trial + 1}/{trials}, {name}: {runs[name][-1].wall_s:.1f} s, decode {runs[name][-1].decode_tok_s:.1f} tok/s")
+    return runs
+
+
+def print_as_user(runs: dict[str, list[UserRun]], machine: Machine, new_tokens: int, trials: int) -> None:
+    peer = runs.get("llama.cpp")
+    peer_wall = statistics.median(r.wall_s for r in peer) if peer else None
+    peer_rate = statistics.median(r.decode_tok_s for r in peer) if peer else None
+    print(f"as a user runs it: bundled SmolLM2-135M-Instruct, `python generate.py PROMPT` (greedy, {new_tokens} new tokens), a fresh process per run")
+    print(f"machine: {machine.cpu}, {machine.cores} cores, torch {machine.torch}, {machine.threads} threads; medians of {trials} runs")
+    print("| run | wall s | decode tok/s | wall vs llama.cpp | decode vs llama.cpp |")
+    print("|---|---|---|---|---|")
+    for name, items in runs.items():
+        wall = statistics.median(r.wall_s for r in items)
+        rate = statistics.median(r.decode_tok_s for r in items)
+        vs_wall = f"{wall / peer_wall:.2f}x" if peer_wall else ""
+        vs_rate = f"{rate / peer_rate:.2f}x" if peer_rate else ""
+        print(f"| {name} | {wall:.1f} | {rate:.1f} | {vs_wall} | {vs_rate} |")
