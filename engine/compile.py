@@ -1,22 +1,23 @@
-"""Compiling the decode step, one transformer block at a time (regional compilation).
+"""Compiling the decode step a few transformer blocks at a time (regional compilation).
 
-Every layer runs the same code on weights of the same shapes, so one block is compiled once and
-every layer reuses the compiled code: the weights are the compiled graph's inputs, not its
-constants. A cold compile then costs one block's, not the whole unrolled step's, and the step
-keeps its static shapes (the cache is read whole, so one compile serves every token).
+Every layer runs the same code on weights of the same shapes, so a group of consecutive blocks is
+compiled once and every group of the model reuses the compiled code: the weights and the cache
+layers are the compiled graph's inputs, not its constants. A cold compile then costs one group's,
+not the whole unrolled step's, and the step keeps its static shapes (the cache is read whole, so
+one compile serves every token). One block per group compiles fastest but pays the call into
+compiled code once per layer; a few blocks per group pay it a few times per step
+(docs/performance.md has the measurements behind BLOCKS_PER_GROUP).
 
 The rest of the step (the embedding lookup, RoPE rows, the LM head, sampling) stays eager: a few
 ops per token against a few hundred in the blocks. Prefill stays eager too: its shapes change with
 every prompt, and its products are large enough that compiling saves little.
 """
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
-from torch import nn
 
-from models.transformer import Transformer
+from models.transformer import BlockGroups, Transformer, run_blocks
+
+BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
 
 # Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
 SIMD_BITS = {"AVX512": 512, "AVX2": 256}
@@ -40,12 +41,13 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     return options
 
 
-def run_block(block: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    return block(*args, **kwargs)
+def group_size(n_layers: int) -> int:
+    """The most blocks per group, up to BLOCKS_PER_GROUP, that split the layers evenly (so one
+    graph serves every group)."""
+    return max(size for size in range(1, BLOCKS_PER_GROUP + 1) if n_layers % size == 0)
 
 
-def compile_blocks(model: Transformer) -> list[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
-    """Each layer's block as a compiled callable, all of them sharing one compiled graph;
-    `model(..., layers=...)` runs them in place of the eager blocks."""
-    compiled = torch.compile(run_block, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
-    return [partial(compiled, block) for block in model.layers]
+def compile_blocks(model: Transformer) -> BlockGroups:
+    """The model's blocks as compiled groups, for `model(..., groups=...)`."""
+    run = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
+    return BlockGroups(run, group_size(len(model.layers)))

@@ -7,7 +7,6 @@ row lengths from the device and, called without a read bound, has the same shape
 call, so it can be compiled (fullgraph) and captured as a CUDA graph.
 """
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -16,7 +15,7 @@ from compression.manager import CompressionManager, PerRowManagers
 from engine.kv_cache import KVCache
 from engine.paged_cache import PagedKVCache
 from engine.sampling import SamplingConfig, sample
-from models.transformer import Transformer
+from models.transformer import BlockGroups, Transformer
 
 
 def prefill(
@@ -82,7 +81,7 @@ def decode_step(
     compression: CompressionManager | PerRowManagers | None = None,
     n_read: int | None = None,
     seen: torch.Tensor | None = None,  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
-    layers: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None,  # compiled blocks (engine/compile.py)
+    groups: BlockGroups | None = None,  # the compiled blocks (engine/compile.py); None: eager
 ) -> torch.Tensor:
     """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
     The compression manager, if any, records this step's queries into its static buffer.
@@ -97,7 +96,7 @@ def decode_step(
     queries = []  # each layer's [B, H, 1, D]: one token's are small, so the manager takes them all at once
     logits = model(
         tokens[:, None], cache.position[:, None], k_cache=k, v_cache=v, write_slots=slots, mask=mask,
-        on_queries=None if compression is None else lambda layer, q: queries.append(q), block_table=block_table, layers=layers,
+        on_queries=None if compression is None else lambda layer, q: queries.append(q), block_table=block_table, groups=groups,
     )
     if compression is not None:
         compression.record(torch.stack(queries), cache.position)

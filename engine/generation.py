@@ -218,8 +218,8 @@ class Session:
             self.finished[row] = True
 
     def _build_step(self) -> Callable[..., object]:
-        layers = compile_blocks(self.model) if self.compile else None
-        advance = partial(decode_step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen, layers=layers)
+        groups = compile_blocks(self.model) if self.compile else None
+        advance = partial(decode_step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen, groups=groups)
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:

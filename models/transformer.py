@@ -12,6 +12,7 @@ of the logits join the ranks' parts.
 """
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +170,33 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), queries
 
 
+def run_blocks(
+    blocks: Sequence[Block],
+    x: torch.Tensor,  # [B, T, C]
+    cos: torch.Tensor,  # [B, T, D]
+    sin: torch.Tensor,  # [B, T, D]
+    k_caches: Sequence[torch.Tensor],  # each block's layer of the cache, [B, H_kv, S, D] (paged: [n_blocks, H_kv, block, D])
+    v_caches: Sequence[torch.Tensor],
+    write_slots: torch.Tensor,  # [B, T]
+    mask: torch.Tensor | None,  # [B, 1, T, S]
+    pages: Pages | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Consecutive blocks: their output [B, T, C] and each one's queries before RoPE [B, H, T, D]."""
+    queries = []
+    for block, k_cache, v_cache in zip(blocks, k_caches, v_caches):
+        x, q = block(x, cos, sin, k_cache=k_cache, v_cache=v_cache, write_slots=write_slots, mask=mask, pages=pages)
+        queries.append(q)
+    return x, queries
+
+
+class BlockGroups(NamedTuple):
+    """How a forward pass runs its blocks: `size` consecutive ones per call of `run`, which takes
+    and returns what run_blocks does (the compiled decode step's, engine/compile.py)."""
+
+    run: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
+    size: int
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
         """The whole model of `config`, or with `parallel` this rank's part of it: then self.config
@@ -210,12 +238,12 @@ class Transformer(nn.Module):
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
         on_queries: Callable[[int, torch.Tensor], None] | None = None,
         block_table: torch.Tensor | None = None,  # [B, max_blocks]: k_cache/v_cache are pools of blocks
-        layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None,  # run in place of self.layers (compiled ones)
+        groups: BlockGroups | None = None,  # default: one block at a time, eager
     ) -> torch.Tensor:
         """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
-        on_queries(layer, queries before RoPE [B, H, T, D]) is called as each layer finishes, for a
-        KV policy: it keeps what it needs, so no layer's queries (a view that pins its whole
-        q/k/v output) need outlive that layer."""
+        on_queries(layer, queries before RoPE [B, H, T, D]) is called as each group of layers
+        finishes, for a KV policy: it keeps what it needs, so that in a prefill (one layer per
+        group) no layer's queries (a view that pins its whole q/k/v output) outlive that layer."""
         x = self.embed_tokens(tokens)  # [B, T, C]
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
@@ -224,10 +252,15 @@ class Transformer(nn.Module):
         if block_table is not None:
             n_read = tokens.shape[1] if mask is None else mask.shape[-1]
             pages = read_pages(block_table, n_read, k_cache.shape[2], k_cache.shape[3])
-        for i, layer in enumerate(self.layers if layers is None else layers):
-            x, q = layer(x, cos, sin, k_cache=k_cache[i], v_cache=v_cache[i], write_slots=write_slots, mask=mask, pages=pages)
+        run, size = BlockGroups(run_blocks, 1) if groups is None else groups
+        blocks = list(self.layers)
+        k_caches, v_caches = k_cache.unbind(0), v_cache.unbind(0)  # each layer's view: what a block writes lands in the cache
+        for first in range(0, len(blocks), size):
+            end = first + size
+            x, queries = run(blocks[first:end], x, cos, sin, k_caches[first:end], v_caches[first:end], write_slots, mask, pages)
             if on_queries is not None:
-                on_queries(i, q)
+                for layer, q in enumerate(queries, start=first):
+                    on_queries(layer, q)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
         return gather_vocab(self.lm_head(self.norm(x)), self.parallel)

@@ -46,6 +46,31 @@ def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):
     assert compiled == eager
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, monkeypatch):
+    """Regional compilation: with one block per group, both layers run the code compiled for the
+    first (their weights and cache layers are the graph's inputs), and give the eager tokens."""
+    import engine.compile
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(engine.compile, "BLOCKS_PER_GROUP", 1)
+    model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU)
+    assert len(model.layers) == 2 and engine.compile.compile_blocks(model).size == 1
+    prompts = prompts_of([9, 4], seed=6)
+    eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
+    torch._dynamo.reset()
+    counters.clear()
+    assert generate(model, prompts, 12, eos_ids=frozenset(), compile=True).tokens == eager
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize(("n_layers", "size"), [(30, 6), (24, 6), (28, 4), (2, 2), (7, 1)])
+def test_the_groups_split_the_layers_evenly(n_layers, size):
+    from engine.compile import group_size
+
+    assert group_size(n_layers) == size
+
+
 def test_compiled_step_stays_right_across_workloads_in_one_process(tiny_checkpoint):
     """After its first call the loop skips the compiled step's guards: each of several compiled
     versions (other batch sizes, other cache sizes) must still be the one that runs."""

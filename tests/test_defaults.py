@@ -1,0 +1,82 @@
+"""What the commands run when no option says otherwise: the checkpoint, its weights' form, the dtype."""
+
+import json
+
+import pytest
+import torch
+
+import cli
+import generate
+from models.quantized import Int4Linear
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("quant", "group_size", "own_blocks", "load_quant"),
+    [("auto", 32, True, "none"), ("int4", 32, True, "none"), ("int4", 64, False, "int4"), ("int8", 32, False, "int8"), ("none", 32, False, "none")],
+)
+def test_the_bundled_model_runs_its_own_4_bit_blocks_unless_asked_otherwise(monkeypatch, tmp_path, quant, group_size, own_blocks, load_quant):
+    import weights.packaged
+
+    asked = []
+    monkeypatch.setattr(weights.packaged, "smollm2_checkpoint", lambda quantized: asked.append(quantized) or tmp_path)
+    assert cli.checkpoint_and_quant(None, quant, group_size) == (tmp_path, load_quant)
+    assert asked == [own_blocks]
+
+
+def test_a_checkpoint_folder_runs_as_stored_by_default(tiny_checkpoint):
+    folder = tiny_checkpoint("llama")[0]
+    assert cli.checkpoint_and_quant(str(folder), "auto", 32) == (folder, "none")
+    assert cli.checkpoint_and_quant(str(folder), "int8", 32) == (folder, "int8")
+
+
+def _with_dtype(folder, tmp_path, dtype: str):
+    copy = tmp_path / dtype
+    copy.mkdir()
+    for item in folder.iterdir():
+        (copy / item.name).write_bytes(item.read_bytes())
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "torch_dtype"} | {"dtype": dtype}))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("stored", "quant", "device", "expected"),
+    [
+        ("float32", "none", "cpu", torch.float32),
+        ("bfloat16", "none", "cpu", torch.bfloat16),
+        ("float16", "none", "cpu", torch.bfloat16),  # float16 products are emulated on CPU
+        ("float16", "none", "cuda", torch.float16),
+        ("float32", "int4", "cpu", torch.bfloat16),  # never float32 activations with int4 weights
+        ("float32", "int8", "cpu", torch.bfloat16),
+    ],
+)
+def test_dtype_auto(tiny_checkpoint, tmp_path, stored, quant, device, expected):
+    """The same choice on every CPU kernel family (the CI runs this file under ATEN_CPU_CAPABILITY=avx2 too)."""
+    folder = _with_dtype(tiny_checkpoint("llama")[0], tmp_path, stored)
+    assert cli.pick_dtype("auto", folder, torch.device(device), quant) == expected
+    assert cli.pick_dtype("float32", folder, torch.device(device), quant) == torch.float32
+
+
+def test_a_checkpoint_saved_quantized_runs_with_bfloat16_activations(tiny_checkpoint, tmp_path):
+    from weights.quantize import save_quantized
+
+    saved = save_quantized(tiny_checkpoint("llama")[0], tmp_path / "int4", "int4", 32)
+    assert cli.pick_dtype("auto", saved, CPU, "none") == torch.bfloat16
+
+
+def test_generate_compiles_by_default_on_cpu_and_not_with_no_compile():
+    assert generate.parse_args(["x"]).compile is None  # decided once the device is known: on for CPU
+    assert generate.parse_args(["x", "--no-compile"]).compile is False
+
+
+@pytest.mark.real
+def test_the_default_command_loads_the_bundled_model_quantized():
+    checkpoint, quant = cli.checkpoint_and_quant(None, "auto", 32)
+    dtype = cli.pick_dtype("auto", checkpoint, CPU, quant)
+    model = load_model(checkpoint, dtype, CPU, quant)
+    assert dtype == torch.bfloat16 and model.dtype == torch.bfloat16
+    assert isinstance(model.layers[0].mlp.w_gate_up, Int4Linear)
+    assert checkpoint.name == "SmolLM2-135M-Instruct-quantized"
