@@ -18,7 +18,7 @@ reproducible. Each sampling flag overrides its value; --temperature 0 is greedy.
 # llama-cli's defaults, for checkpoints whose generation_config.json says nothing about sampling.
 LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
 
-COMPILE_NOTICE = "compiling the decode step (one transformer block, reused by every layer); --no-compile runs eager"
+COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers); --no-compile runs eager"
 
 import argparse
 import signal

@@ -18,6 +18,7 @@ import torch
 from models.transformer import BlockGroups, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
+SLOTS_MULTIPLE = 256  # a compiled step's cache rows come in steps of this many slots
 
 # Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
 SIMD_BITS = {"AVX512": 512, "AVX2": 256}
@@ -34,11 +35,20 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     is part of the cache key."""
     if device.type != "cpu":
         return {}
-    options: dict[str, object] = {"cpp_wrapper": not tensor_parallel}
+    # vec_isa_ok: take the vector instructions the CPU reports (torch reads its flags) instead of
+    # compiling and running a probe program per instruction set in every new process (1.3 s).
+    options: dict[str, object] = {"cpp_wrapper": not tensor_parallel, "cpp.vec_isa_ok": True}
     simd_bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
     if simd_bits is not None:
         options["cpp.simdlen"] = simd_bits
     return options
+
+
+def compiled_slots(needed: int, limit: int) -> int:
+    """A compiled step's cache rows, rounded up to a multiple of SLOTS_MULTIPLE (within the model's
+    positions): runs of different lengths then share one shape, hence one compile, in a process
+    and across processes through inductor's on-disk cache. Eager, a cache is sized exactly."""
+    return max(needed, min(-(-needed // SLOTS_MULTIPLE) * SLOTS_MULTIPLE, limit))
 
 
 def group_size(n_layers: int) -> int:

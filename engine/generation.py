@@ -14,7 +14,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, PerRowManagers
-from engine.compile import compile_blocks
+from engine.compile import compile_blocks, compiled_slots
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
@@ -284,13 +284,14 @@ def generate(
     """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
     the prompt + budget_max + window slots only, and is compacted whenever it is full. With
     pages, the cache is paged: each row holds only the blocks its own slots need. n_slots sizes
-    the cache's rows (default: what this run needs), so that runs of several sizes can share one
-    shape, hence one compiled step."""
+    the cache's rows (default: what this run needs; compiled or graphed, rounded up so that runs
+    of several sizes share one shape, hence one compiled step)."""
     check_lengths(model, prompts, max_new_tokens)
     needed = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
     if n_slots is not None and n_slots < needed:
         raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
-    n_slots = needed if n_slots is None else n_slots
+    if n_slots is None:
+        n_slots = compiled_slots(needed, model.config.max_position_embeddings) if compile or cuda_graph else needed
     session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph, pages)
 
     start = time.perf_counter()
