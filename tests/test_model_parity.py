@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import ALL_KINDS
+from tiny_checkpoints import tensors_in_file
 from engine.decode import decode_step, prefill
 from engine.generation import generate
 from engine.kv_cache import KVCache
@@ -149,12 +150,5 @@ def test_only_an_untied_embedding_stays_in_the_file_and_copies_leave_no_map_behi
 
     folder = tmp_path / kind  # a copy of its own: models other tests still hold map the shared one
     shutil.copytree(tiny_checkpoint(kind)[0], folder)  # float32 on disk
-    model = load_model(folder, dtype, CPU)
-    maps = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) == 6 and fields[5].startswith(str(folder)):
-            maps.append(tuple(int(x, 16) for x in fields[0].split("-")))
-    in_file = {name for name, p in model.named_parameters() if any(start <= p.data_ptr() < end for start, end in maps)}
-    assert in_file == mapped
-    assert all(any(start <= p.data_ptr() < end for _, p in model.named_parameters()) for start, end in maps)
+    in_file, every_map_used = tensors_in_file(load_model(folder, dtype, CPU), folder)
+    assert in_file == mapped and every_map_used

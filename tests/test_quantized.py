@@ -7,6 +7,7 @@ checked against an independent computation.
 """
 
 import json
+from pathlib import Path
 import zlib
 
 import gguf
@@ -22,6 +23,7 @@ from engine.generation import generate as generate_tokens
 from errors import UserError
 from models.quantized import Int4Linear, Int8Embedding, Int8Linear, QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import write_gguf
+from tiny_checkpoints import tensors_in_file
 from weights.gguf import import_gguf
 from weights.gguf_blocks import int4_weight
 from weights.loader import QUANTIZED_KEY, load_model
@@ -485,3 +487,21 @@ def test_a_saved_quantized_checkpoint_loads_as_the_model_quantized_at_load_time(
         save_quantized(saved, tmp_path / "again", "int8")
     with pytest.raises(UserError, match="not a multiple of 64"):
         save_quantized(folder, tmp_path / "g64", "int4", 64)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_saved_quantized_untied_embedding_stays_in_the_file(mode, tiny_checkpoint, tmp_path):
+    """Loaded from a checkpoint saved quantized, an untied int8 embedding table is a view of the
+    memory-mapped file (only the rows looked up become resident: Qwen2.5-Coder-0.5B's is 136 MiB),
+    every other weight a copy of its own, and the rows it looks up are those of a copy."""
+    from weights.quantize import save_quantized
+
+    saved = save_quantized(tiny_checkpoint("llama")[0], tmp_path / mode, mode, 32)
+    model = load_model(saved, torch.float32, CPU)
+    in_file, every_map_used = tensors_in_file(model, saved)
+    assert in_file == {"embed.weight", "embed.scales"} and every_map_used  # the scales too: float32 is the file's dtype
+    tokens = torch.randint(3, 384, (1, 12), generator=torch.Generator().manual_seed(3))
+    embedded = model.embed(tokens)
+    copied = Int8Embedding(model.embed.weight.clone(), model.embed.scales)
+    assert torch.equal(embedded, copied(tokens))

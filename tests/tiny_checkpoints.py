@@ -83,3 +83,16 @@ def write_checkpoint(kind: str, folder: Path, seed: int = 0) -> transformers.Pre
     model = hf_model(kind, seed)
     model.save_pretrained(folder)
     return model
+
+
+def tensors_in_file(model, folder: Path) -> tuple[set[str], bool]:
+    """The model's parameters and buffers that are views of a memory-mapped file of `folder`, and
+    whether every such map is still in use by one of them (none outlives the loading)."""
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 6 and fields[5].startswith(str(folder)):
+            maps.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    in_file = {name for name, t in tensors.items() if any(start <= t.data_ptr() < end for start, end in maps)}
+    return in_file, all(any(start <= t.data_ptr() < end for t in tensors.values()) for start, end in maps)

@@ -219,7 +219,7 @@ def read_state(
         if name == "embed.weight" and config.tie_word_embeddings:
             continue  # the LM head's copy serves both (two copies would meet at the loading peak)
         if name == "embed.weight" and quantized:
-            state[name] = _read_quantized(located, name, sources, expected[sources[0]], "int8", group_size)
+            state[name] = _read_quantized(located, name, sources, expected[sources[0]], "int8", group_size, as_view=device.type == "cpu")
             continue
         parts = rank_parts(name, sources, config, parallel)
         if parts is None:  # a bias another rank adds
@@ -253,9 +253,15 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def _read_quantized(located: dict[str, Path], name: str, sources: list[str], shape: tuple[int, ...], mode: str, group_size: int) -> QuantizedWeight:
-    """The weight `name` quantized: as stored in a quantized checkpoint, or quantized now from its float values."""
+def _read_quantized(
+    located: dict[str, Path], name: str, sources: list[str], shape: tuple[int, ...], mode: str, group_size: int, as_view: bool = False
+) -> QuantizedWeight:
+    """The weight `name` quantized: as stored in a quantized checkpoint, or quantized now from its float values.
+    as_view: a weight stored whole stays a view of the memory-mapped file (an embedding table: only
+    the rows looked up become resident); otherwise every weight is a copy of its own."""
     stored = [s.removesuffix(".weight") for s in sources if s.removesuffix(".weight") + ".scales" in located]
+    if as_view and len(stored) == 1:
+        return _read_stored(located, stored[0])
     if stored:
         return concatenate([_read_stored(located, prefix) for prefix in stored])
     return quantize(read_copy(located, whole(sources), shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
