@@ -3,8 +3,9 @@
 Every layer runs the same code on weights of the same shapes, so a group of consecutive blocks is
 compiled once and every group of the model reuses the compiled code: the weights and the cache
 layers are the compiled graph's inputs, not its constants. A cold compile then costs one group's,
-not the whole unrolled step's, and the step keeps its static shapes (the cache is read whole, so
-one compile serves every token). One block per group compiles fastest but pays the call into
+not the whole unrolled step's. The number of slots read is a variable of the compiled code, so
+the step reads only the slots in use, as the eager one does, and one compile serves every token
+and every cache size. One block per group compiles fastest but pays the call into
 compiled code once per layer; a few blocks per group pay it a few times per step
 (docs/performance.md has the measurements behind BLOCKS_PER_GROUP).
 
@@ -15,10 +16,10 @@ every prompt, and its products are large enough that compiling saves little.
 
 import torch
 
+from models.pages import Pages
 from models.transformer import BlockGroups, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
-SLOTS_MULTIPLE = 256  # a compiled step's cache rows come in steps of this many slots
 
 # Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
 SIMD_BITS = {"AVX512": 512, "AVX2": 256}
@@ -44,13 +45,6 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     return options
 
 
-def compiled_slots(needed: int, limit: int) -> int:
-    """A compiled step's cache rows, rounded up to a multiple of SLOTS_MULTIPLE (within the model's
-    positions): runs of different lengths then share one shape, hence one compile, in a process
-    and across processes through inductor's on-disk cache. Eager, a cache is sized exactly."""
-    return max(needed, min(-(-needed // SLOTS_MULTIPLE) * SLOTS_MULTIPLE, limit))
-
-
 def group_size(n_layers: int) -> int:
     """The most blocks per group, up to BLOCKS_PER_GROUP, that split the layers evenly (so one
     graph serves every group)."""
@@ -59,5 +53,24 @@ def group_size(n_layers: int) -> int:
 
 def compile_blocks(model: Transformer) -> BlockGroups:
     """The model's blocks as compiled groups, for `model(..., groups=...)`."""
-    run = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
+    compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
+
+    def run(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages):
+        mark_slots_dynamic(k_caches, v_caches, mask, pages)
+        return compiled(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages)
+
     return BlockGroups(run, group_size(len(model.layers)))
+
+
+def mark_slots_dynamic(k_caches, v_caches, mask: torch.Tensor | None, pages: Pages | None) -> None:
+    """The number of slots read is a size the compiled code takes as a variable, from the first
+    call on: one graph then serves a step that reads only the slots in use (their count grows by
+    one per token), every cache size, and, through inductor's on-disk cache, every later run."""
+    if mask is not None:
+        torch._dynamo.maybe_mark_dynamic(mask, 3)  # [B, 1, T, S]
+    if pages is None:
+        for layer in (*k_caches, *v_caches):
+            torch._dynamo.maybe_mark_dynamic(layer, 2)  # [B, H_kv, S, D]
+    else:
+        torch._dynamo.maybe_mark_dynamic(pages.blocks, 2)  # [B, 1, S]
+        torch._dynamo.maybe_mark_dynamic(pages.offsets, 2)

@@ -14,7 +14,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, PerRowManagers
-from engine.compile import compile_blocks, compiled_slots
+from engine.compile import compile_blocks
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
@@ -134,10 +134,11 @@ class Session:
         if self._step is None:
             self._step = self._build_step()
         self._reserve([n + 1 if joined else 0 for n, joined in zip(self.lengths, self.joined)])
-        # Eager, the step attends over the slots that can be in use, a bound the host knows: any
-        # size costs nothing. A compiled step or a CUDA graph reads the whole buffer: one shape,
-        # one compile. A compressed cache is small already, and its lengths shrink on the device.
-        if not (self.compile or self.cuda_graph or self.manager is not None):
+        # The step attends over the slots that can be in use, a bound the host knows: eager any size
+        # costs nothing, and the compiled blocks take it as a variable (engine/compile.py). A CUDA
+        # graph reads the whole buffer: one shape, one capture. A compressed cache is small already,
+        # and its lengths shrink on the device.
+        if not (self.cuda_graph or self.manager is not None):
             self._step(n_read=max(self.lengths) + 1)
         else:
             self._step()
@@ -226,18 +227,18 @@ class Session:
             return partial(self._unguarded, advance)
         return advance
 
-    def _unguarded(self, advance: Callable[[], object]) -> None:
+    def _unguarded(self, advance: Callable[..., object], **kwargs) -> None:
         """The compiled blocks' first step checks their guards against these very objects; nothing
         the guards read changes between steps (only tensor values do), so later steps skip the
         check. With several compiled versions in the process, torch still checks what tells them apart."""
         if not self._guards_checked:
             self._guards_checked = True
             start = time.perf_counter()
-            advance()
+            advance(**kwargs)
             self.compile_s = time.perf_counter() - start
             return
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            advance()
+            advance(**kwargs)
 
     @property
     def stats(self) -> CompressionStats | None:
@@ -284,14 +285,13 @@ def generate(
     """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
     the prompt + budget_max + window slots only, and is compacted whenever it is full. With
     pages, the cache is paged: each row holds only the blocks its own slots need. n_slots sizes
-    the cache's rows (default: what this run needs; compiled or graphed, rounded up so that runs
-    of several sizes share one shape, hence one compiled step)."""
+    the cache's rows (default: what this run needs), so that runs of several sizes can share one
+    shape, hence one CUDA graph."""
     check_lengths(model, prompts, max_new_tokens)
     needed = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
     if n_slots is not None and n_slots < needed:
         raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
-    if n_slots is None:
-        n_slots = compiled_slots(needed, model.config.max_position_embeddings) if compile or cuda_graph else needed
+    n_slots = needed if n_slots is None else n_slots
     session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph, pages)
 
     start = time.perf_counter()

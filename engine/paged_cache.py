@@ -105,11 +105,10 @@ class PagedKVCache:
         return self.peak_blocks * self.block_bytes
 
     def view(self, n_slots: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What attention reads for the first n_slots slots of each row (None: all n_slots of them);
-        the model reads as many slots as its mask covers."""
-        if n_slots is None:
-            return self.k, self.v, self.block_table
-        return self.k, self.v, self.block_table[:, : -(-n_slots // self.block_size)]
+        """What attention reads for the first n_slots slots of each row (None: all n_slots of them):
+        the whole pool and table, for the model reads as many slots as its mask covers. One table
+        shape for every n_slots keeps a compiled step from specialising on it."""
+        return self.k, self.v, self.block_table
 
     def row(self, b: int) -> "PagedKVCache":
         """Row b alone, as a cache of one row over the same pool: views of its table and counters.
