@@ -54,7 +54,8 @@ from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import ServingWorkload, Workload, progress
 from cli import (
-    DTYPES, add_compression_args, checkpoint_and_quant, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
+    pick_device, pick_dtype,
     ranks_running, start_ranks,
 )
 from engine.paged_cache import PageConfig
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     p.add_argument("--prompt-len", type=int, help="random prompt tokens per row (default 128)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row, the first one by prefill")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype, bfloat16 instead of float16 on CPU")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help=DTYPE_HELP)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--trials", type=int, default=5, help="timed runs per system, after one warm-up run; figures are their medians")
     p.add_argument(

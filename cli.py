@@ -1,5 +1,5 @@
-"""Command-line helpers shared by generate.py, bench.py and evaluate.py: devices, dtypes, the KV-policy, quantization,
-paging and tensor-parallel options."""
+"""Command-line helpers shared by generate.py, bench.py and evaluate.py: the checkpoint and the form its weights
+run in, devices, dtypes, the KV-policy, quantization, paging and tensor-parallel options."""
 
 import argparse
 import contextlib
@@ -20,6 +20,11 @@ from weights.download import resolve_checkpoint
 from weights.loader import stored_dtype, stored_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_HELP = (
+    "activations and KV cache. auto: bfloat16 with quantized weights, the bundled model's included, on every CPU kind "
+    "(torch's int4 product with float32 activations is 4-5x slower on CPU; docs/performance.md); else the checkpoint's dtype, "
+    "bfloat16 for float16 on CPU (whose float16 products are emulated)"
+)
 
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:

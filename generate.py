@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from cli import (
-    DTYPES, add_compression_args, checkpoint_and_quant, add_paging_args, add_parallel_args, add_quant_args, compression_config, page_config, pick_device, pick_dtype,
+    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
+    pick_device, pick_dtype,
     ranks_running, start_ranks,
 )
 from compression.config import CompressionConfig
@@ -70,10 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--stop", action="append", default=[], metavar="STRING", help="end the answer before this text (repeatable)")
     g.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument(
-        "--dtype", choices=["auto", *DTYPES], default="auto",
-        help="activations and KV cache. auto: bfloat16 with quantized weights (the bundled model's included); else the checkpoint's dtype, bfloat16 for float16 on CPU",
-    )
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help=DTYPE_HELP)
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the decode step, one transformer block compiled and reused by every layer "

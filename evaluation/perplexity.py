@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cli import DTYPES, add_quant_args, checkpoint_and_quant, pick_dtype
+from cli import DTYPE_HELP, DTYPES, add_quant_args, checkpoint_and_quant, pick_dtype
 from engine.decode import prefill
 from engine.kv_cache import KVCache
 from errors import UserError, run_command
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m evaluation.perplexity", description="Perplexity of texts under the engine (and llama.cpp).")
     p.add_argument("--checkpoint", required=True, help="model folder (its tokenizer tokenizes the texts)")
     p.add_argument("--text", type=Path, action="append", required=True, help="a UTF-8 text file (repeatable)")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help=DTYPE_HELP)
     p.add_argument("--tokens", type=int, default=4096, help="the first this many tokens of each text")
     p.add_argument("--window", type=int, default=512, help="tokens per prefill; each starts from an empty cache")
     p.add_argument("--gguf", type=Path, help="also score the texts with llama.cpp on this GGUF file")

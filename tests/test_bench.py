@@ -360,3 +360,20 @@ def test_bad_workload_and_paging_values_are_one_clear_error(tiny_checkpoint, cap
     assert bench.main(["--checkpoint", str(folder), *argv]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last
+
+
+@pytest.mark.real
+def test_as_user_times_the_default_command_in_fresh_processes(capsys, monkeypatch):
+    """bench.py --as-user: every row is a fresh generate.py process (cold and warm cache, eager),
+    beside llama.cpp when it is installed; each row's wall time covers at least its decode."""
+    import importlib.util
+
+    assert bench.main(["--as-user", "--trials", "1", "--new-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| engine") or line.startswith("| llama.cpp")}
+    expected = {"engine, cold cache", "engine, warm cache", "engine, eager"}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        expected.add("llama.cpp")
+    assert set(rows) == expected
+    for wall, rate, *_ in rows.values():
+        assert float(wall) > 7 / float(rate)  # 7 decode steps at the reported rate fit inside the wall time

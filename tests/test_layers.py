@@ -15,7 +15,7 @@ ALLOWED = {
     "compression": {"errors", "models"},
     "engine": {"errors", "models", "compression"},
     "weights": {"errors", "models"},
-    "cli": {"errors", "models", "compression", "engine"},
+    "cli": {"errors", "models", "compression", "engine", "weights"},  # which checkpoint, in which form and dtype
     "benchmark": {"errors", "cli", "models", "compression", "engine", "weights"},
     "evaluation": {"errors", "cli", "models", "compression", "engine", "weights"},
     "generate": {"errors", "cli", "models", "compression", "engine", "weights"},
