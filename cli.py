@@ -20,6 +20,7 @@ from weights.download import resolve_checkpoint
 from weights.loader import stored_dtype, stored_quantized
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+COMPILE_FROM_TOKENS = 512  # from this many tokens a compiled step repays its warm start (docs/performance.md)
 DTYPE_HELP = (
     "activations and KV cache. auto: bfloat16 with quantized weights, the bundled model's included, on every CPU kind "
     "(torch's int4 product with float32 activations is 4-5x slower on CPU; docs/performance.md); else the checkpoint's dtype, "
@@ -104,6 +105,14 @@ def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> 
             raise UserError("--block-size and --kv-blocks size a paged cache; add --paged (or --max-batch) or drop them")
         return None
     return PageConfig(default_block_size(device) if args.block_size is None else args.block_size, args.kv_blocks)
+
+
+def compile_pays(device: torch.device, tokens: int | None) -> bool:
+    """Whether generate.py compiles the decode step when neither --compile nor --no-compile is
+    given: on CPU, for a chat (many answers on one session) or a run that may make
+    COMPILE_FROM_TOKENS tokens or more. Compiling costs about 2.5 s on a warm cache and 13 s on a
+    cold one, and saves 7-18 ms a token (docs/performance.md); on CUDA the CUDA graph does its job."""
+    return device.type == "cpu" and (tokens is None or tokens >= COMPILE_FROM_TOKENS)
 
 
 def pick_device(name: str) -> torch.device:

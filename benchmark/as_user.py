@@ -1,10 +1,11 @@
 """bench.py --as-user: the bundled model as a user runs it, each run a fresh process timed from its
 start to its exit, beside llama.cpp on the same GGUF file.
 
-- engine, cold cache: `python generate.py PROMPT` with an empty inductor cache of its own, so the
-  run pays the whole compile (the first run on a new machine);
-- engine, warm cache: the same with a cache that one earlier run filled (every later run);
-- engine, eager: the same with --no-compile;
+- engine --compile, cold cache: `python generate.py PROMPT --compile` with an empty inductor cache
+  of its own, so the run pays the whole compile (the first run on a new machine);
+- engine --compile, warm cache: the same with a cache that one earlier run filled (every later run);
+- engine --no-compile: eager. The default command is one of these two: it compiles from
+  cli.COMPILE_FROM_TOKENS tokens on;
 - llama.cpp: a process that loads the GGUF file with llama-cpp-python, feeds it the same prompt
   tokens and decodes greedily, as many threads as torch uses.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark.machine import Machine
+from cli import COMPILE_FROM_TOKENS
 from benchmark.workload import progress
 from errors import UserError
 
@@ -62,19 +64,19 @@ def llama_cpp_command(gguf: Path, prompt_tokens: list[int], new_tokens: int, thr
 
 def measure_as_user(gguf: Path | None, prompt_tokens: list[int], new_tokens: int, trials: int, threads: int) -> dict[str, list[UserRun]]:
     """Each system's runs, in turn; the warm cache is filled by one untimed run first."""
-    runs: dict[str, list[UserRun]] = {"engine, cold cache": [], "engine, warm cache": [], "engine, eager": []}
+    runs: dict[str, list[UserRun]] = {"engine --compile, cold cache": [], "engine --compile, warm cache": [], "engine --no-compile": []}
     if gguf is not None:
         runs["llama.cpp"] = []
     with tempfile.TemporaryDirectory(prefix="bench-as-user-") as scratch:
         warm = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / "warm"))
         progress("engine: one run to fill the warm cache")
-        _timed(engine_command(new_tokens), warm)
+        _timed(engine_command(new_tokens, "--compile"), warm)
         for trial in range(trials):
             cold = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(scratch) / f"cold-{trial}"))
             for name, command, env in (
-                ("engine, cold cache", engine_command(new_tokens), cold),
-                ("engine, warm cache", engine_command(new_tokens), warm),
-                ("engine, eager", engine_command(new_tokens, "--no-compile"), warm),
+                ("engine --compile, cold cache", engine_command(new_tokens, "--compile"), cold),
+                ("engine --compile, warm cache", engine_command(new_tokens, "--compile"), warm),
+                ("engine --no-compile", engine_command(new_tokens, "--no-compile"), warm),
                 *([("llama.cpp", llama_cpp_command(gguf, prompt_tokens, new_tokens, threads), dict(os.environ))] if gguf else []),
             ):
                 runs[name].append(_timed(command, env))
@@ -86,7 +88,9 @@ def print_as_user(runs: dict[str, list[UserRun]], machine: Machine, new_tokens: 
     peer = runs.get("llama.cpp")
     peer_wall = statistics.median(r.wall_s for r in peer) if peer else None
     peer_rate = statistics.median(r.decode_tok_s for r in peer) if peer else None
+    default = "--compile" if new_tokens >= COMPILE_FROM_TOKENS else "--no-compile"
     print(f"as a user runs it: bundled SmolLM2-135M-Instruct, `python generate.py PROMPT` (greedy, {new_tokens} new tokens), a fresh process per run")
+    print(f"the default command at {new_tokens} tokens is the {default} one (it compiles from {COMPILE_FROM_TOKENS} tokens on)")
     print(f"machine: {machine.cpu}, {machine.cores} cores, torch {machine.torch}, {machine.threads} threads; medians of {trials} runs")
     print("| run | wall s | decode tok/s | wall vs llama.cpp | decode vs llama.cpp |")
     print("|---|---|---|---|---|")

@@ -371,7 +371,7 @@ def test_as_user_times_the_default_command_in_fresh_processes(capsys, monkeypatc
     assert bench.main(["--as-user", "--trials", "1", "--new-tokens", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| engine") or line.startswith("| llama.cpp")}
-    expected = {"engine, cold cache", "engine, warm cache", "engine, eager"}
+    expected = {"engine --compile, cold cache", "engine --compile, warm cache", "engine --no-compile"}
     if importlib.util.find_spec("llama_cpp") is not None:
         expected.add("llama.cpp")
     assert set(rows) == expected

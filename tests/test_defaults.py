@@ -67,9 +67,27 @@ def test_a_checkpoint_saved_quantized_runs_with_bfloat16_activations(tiny_checkp
     assert cli.pick_dtype("auto", saved, CPU, "none") == torch.bfloat16
 
 
-def test_generate_compiles_by_default_on_cpu_and_not_with_no_compile():
-    assert generate.parse_args(["x"]).compile is None  # decided once the device is known: on for CPU
+@pytest.mark.parametrize(
+    ("device", "tokens", "compiled"),
+    [("cpu", 256, False), ("cpu", 511, False), ("cpu", 512, True), ("cpu", 8 * 256, True), ("cpu", None, True), ("cuda", 4096, False)],
+)
+def test_generate_compiles_by_default_where_it_pays(device, tokens, compiled):
+    """On CPU a chat (tokens None) or a run of 512 tokens or more; on CUDA the graph does the job."""
+    assert cli.compile_pays(torch.device(device), tokens) is compiled
+
+
+def test_compile_flags_override_the_default():
+    assert generate.parse_args(["x"]).compile is None  # decided once the device and the prompts are known
     assert generate.parse_args(["x", "--no-compile"]).compile is False
+    assert generate.parse_args(["x", "--compile"]).compile is True
+
+
+def test_a_long_run_compiles_by_default_and_says_so(chat_checkpoint, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nand goodbye\n")  # 2 prompts x 300 tokens: 600 >= 512
+    code = generate.main(["--checkpoint", str(chat_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "300", "--ignore-eos", "--temperature", "0"])
+    notice, summary = capsys.readouterr().err.splitlines()
+    assert code == 0 and notice == generate.COMPILE_NOTICE and "| new tokens: 600 |" in summary and "| compile: " in summary
 
 
 @pytest.mark.real
