@@ -98,3 +98,22 @@ def test_the_default_command_loads_the_bundled_model_quantized():
     assert dtype == torch.bfloat16 and model.dtype == torch.bfloat16
     assert isinstance(model.layers[0].mlp.w_gate_up, Int4Linear)
     assert checkpoint.name == "SmolLM2-135M-Instruct-quantized"
+
+
+def test_an_eager_run_never_imports_the_compiler(tiny_checkpoint):
+    """Importing torch._dynamo costs a second of a process's start; an eager run has no use for it
+    (the embedding's random init, on the meta device, imported it before the model had its weights)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tiny_checkpoint("llama")[0]
+    script = (
+        "import sys, torch; from pathlib import Path; from weights.loader import load_model; from engine.generation import generate\n"
+        f"model = load_model(Path({str(folder)!r}), torch.float32, torch.device('cpu'))\n"
+        "with torch.inference_mode(): generate(model, [[5, 6, 7]], 4, frozenset())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
