@@ -47,7 +47,8 @@ def _timed(command: list[str], env: dict[str, str]) -> UserRun:
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - start
     if done.returncode != 0:
-        raise UserError(f"{' '.join(command[:3])} ... failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+        raise UserError(f"{' '.join(command[:3])} ... failed (exit {done.returncode}): {last}")
     rate = DECODE_RATE.findall(done.stderr)
     if not rate:
         raise UserError(f"no 'decode: N tok/s' in the output of {' '.join(command[:3])} ...: {done.stderr.strip()[-300:]}")

@@ -55,15 +55,20 @@ def compile_blocks(model: Transformer) -> BlockGroups:
     """The model's blocks as compiled groups, for `model(..., groups=...)`."""
     compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
 
+    marked = False
+
     def run(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages):
-        mark_slots_dynamic(k_caches, v_caches, mask, pages)
+        nonlocal marked
+        if not marked:  # once: the graph it compiles takes every later size
+            mark_slots_dynamic(k_caches, v_caches, mask, pages)
+            marked = True
         return compiled(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages)
 
     return BlockGroups(run, group_size(len(model.layers)))
 
 
 def mark_slots_dynamic(k_caches, v_caches, mask: torch.Tensor | None, pages: Pages | None) -> None:
-    """The number of slots read is a size the compiled code takes as a variable, from the first
+    """The number of slots read is a size the compiled code takes as a variable, from its first
     call on: one graph then serves a step that reads only the slots in use (their count grows by
     one per token), every cache size, and, through inductor's on-disk cache, every later run."""
     if mask is not None:

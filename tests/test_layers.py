@@ -1,4 +1,4 @@
-"""The project's dependency arrows, read from the imports themselves (../shared/DESIGN.md, README)."""
+"""The project's dependency arrows, read from the imports themselves (docs/design.md)."""
 
 import ast
 from pathlib import Path

