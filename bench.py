@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> None:
     checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     gguf = gguf_file(args, compare)
     config = read_config(checkpoint)
-    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=batch)
     if lengths[-1] + new_tokens > config.max_position_embeddings:
         raise UserError(
             f"prompt of {lengths[-1]} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions; "
@@ -301,7 +301,7 @@ def run_workload(args: argparse.Namespace) -> None:
     config = read_config(checkpoint)
     if prompt_lens[1] + new_tokens[1] > config.max_position_embeddings:
         raise UserError(f"prompts of up to {prompt_lens[1]} + {new_tokens[1]} new tokens exceed the model's {config.max_position_embeddings} positions")
-    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=min(n, max_batch))
     requests = random_requests(config.vocab_size, n, prompt_lens, new_tokens, PROMPT_SEED)
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     pages = page_config(args, device, True)
@@ -333,7 +333,7 @@ def run_ranks(args: argparse.Namespace) -> None:
         config = read_config(checkpoint)
         if length + new_tokens > config.max_position_embeddings:
             raise UserError(f"prompt of {length} + {new_tokens} new tokens exceeds the model's {config.max_position_embeddings} positions")
-        dtype = pick_dtype(args.dtype, checkpoint, device, quant)
+        dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=batch)
         compile_step = device.type == "cpu" if args.compile is None else args.compile
         prompts = random_prompts(config.vocab_size, batch, length)
         w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), quant, args.group_size, parallel=tp)

@@ -149,6 +149,14 @@ def summary(result: GenerationResult) -> str:
     )
 
 
+def rows_at_once(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
+    """How many sequences one decode step carries: one in a chat, else the batch of prompts, or with
+    --max-batch at most that many of them."""
+    if prompts is None:
+        return 1
+    return len(prompts) if args.max_batch is None else min(len(prompts), args.max_batch)
+
+
 class CompileNotice:
     """Says once on stderr, just before the first decode step, that the step is being compiled
     (after every check of the input has passed, so a bad request stays one line of error)."""
@@ -204,7 +212,8 @@ def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.de
     if not args.interactive:  # rank 0 reads them (stdin reaches one process), every rank encodes them
         texts = from_rank0(read_prompts(args) if tp is None or tp.rank == 0 else None, tp)
         prompts = encode_prompts(tokenizer, texts, args.chat, args.system)
-    model = load_model(checkpoint, pick_dtype(args.dtype, checkpoint, device, quant), device, quant, args.group_size, tp)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=rows_at_once(args, prompts))
+    model = load_model(checkpoint, dtype, device, quant, args.group_size, tp)
     if args.compile is None:
         args.compile = compile_pays(device, None if prompts is None else len(prompts) * args.max_new_tokens)
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step

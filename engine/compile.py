@@ -16,13 +16,11 @@ every prompt, and its products are large enough that compiling saves little.
 
 import torch
 
+from engine.cpu import simd_bits
 from models.pages import Pages
 from models.transformer import BlockGroups, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
-
-# Vector width of the CPU kernels torch chose for this process (ATEN_CPU_CAPABILITY can lower it).
-SIMD_BITS = {"AVX512": 512, "AVX2": 256}
 
 
 def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, object]:
@@ -39,9 +37,9 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     # vec_isa_ok: take the vector instructions the CPU reports (torch reads its flags) instead of
     # compiling and running a probe program per instruction set in every new process (1.3 s).
     options: dict[str, object] = {"cpp_wrapper": not tensor_parallel, "cpp.vec_isa_ok": True}
-    simd_bits = SIMD_BITS.get(torch.backends.cpu.get_cpu_capability())
-    if simd_bits is not None:
-        options["cpp.simdlen"] = simd_bits
+    bits = simd_bits()
+    if bits is not None:
+        options["cpp.simdlen"] = bits
     return options
 
 

@@ -15,11 +15,13 @@ from torch import nn
 FLOAT32_FROM_ROWS = 8  # the measured crossover (docs/performance.md)
 
 
-# Whether this CPU multiplies 16-bit float matrices in hardware, as oneDNN reports it: a fact
-# of the machine, read once (a plain dict lookup is also what torch.compile can trace).
+# Whether this CPU multiplies 16-bit float matrices in hardware, as oneDNN reports it, and torch
+# runs its AVX-512 kernels (under ATEN_CPU_CAPABILITY=avx2 it holds to what an AVX2 CPU has): a
+# fact of the process, read once (a plain dict lookup is also what torch.compile can trace).
+_AVX512_KERNELS = torch.backends.cpu.get_cpu_capability() != "AVX2"
 NATIVE_CPU_MATMUL = {
-    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+    torch.bfloat16: _AVX512_KERNELS and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    torch.float16: _AVX512_KERNELS and torch.ops.mkldnn._is_mkldnn_fp16_supported(),
 }
 
 
