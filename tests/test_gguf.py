@@ -273,3 +273,31 @@ def test_unsupported_tensor_type(tiny_checkpoint, tmp_path, monkeypatch):
     write_gguf(path, model, "qwen2")
     with pytest.raises(UserError, match=r"blk\.0\.ffn_up\.weight has type I32"):
         import_gguf(path, tmp_path / "out")
+
+
+def test_a_q8_0_copy_holds_every_matrix_to_within_half_a_step(synthetic, tmp_path):
+    """benchmark/q8_0_gguf.py, which makes the Q8_0 file that the int8 weights are timed against."""
+    from gguf.quants import dequantize
+
+    from benchmark import q8_0_gguf
+
+    path, model = synthetic("llama")
+    out = tmp_path / "q8_0.gguf"
+    assert q8_0_gguf.main([str(path), str(out)]) == 0
+    source, copy = gguf.GGUFReader(path), gguf.GGUFReader(out)
+    assert list(copy.fields) == list(source.fields)
+    assert [t.name for t in copy.tensors] == [t.name for t in source.tensors]
+    for a, b in zip(source.tensors, copy.tensors):
+        values = dequantize(a.data, a.tensor_type).reshape(-1, 32 if a.data.ndim == 2 else a.data.size)
+        copied = dequantize(b.data, b.tensor_type).reshape(values.shape)
+        if a.data.ndim == 1:
+            assert b.tensor_type == a.tensor_type and np.array_equal(copied, values), a.name
+            continue
+        assert b.tensor_type == gguf.GGMLQuantizationType.Q8_0, a.name
+        step = np.abs(values).max(axis=1, keepdims=True) / 127
+        # half a step of rounding, and the step itself stored in float16 (2^-11 of it, times up to 127)
+        assert (np.abs(copied - values) <= step / 2 + step * 127 * 2**-11 + 1e-7).all(), a.name
+    imported = transformers.AutoModelForCausalLM.from_pretrained(import_gguf(out, tmp_path / "imported", progress=False), dtype=torch.float32)
+    embedding = next(t for t in copy.tensors if t.name == "token_embd.weight")
+    expected = dequantize(embedding.data, embedding.tensor_type).reshape(model.config.vocab_size, -1)
+    assert torch.equal(imported.model.embed_tokens.weight, torch.from_numpy(expected))  # the import reads the Q8_0 values as they are
