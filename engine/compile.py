@@ -43,16 +43,35 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     return options
 
 
-def group_size(n_layers: int) -> int:
-    """The most blocks per group, up to BLOCKS_PER_GROUP, that split the layers evenly (so one
-    graph serves every group)."""
-    return max(size for size in range(1, BLOCKS_PER_GROUP + 1) if n_layers % size == 0)
+def block_structure(block: torch.nn.Module) -> tuple:
+    """What a compiled graph of a block depends on besides tensor values: its modules' kinds and
+    its tensors' shapes and dtypes. A checkpoint imported from a GGUF file with mixed block types
+    (Q4_K_M: some layers' matrices in 6 bits) has layers of two structures (int4 and int8)."""
+    modules = tuple((name, type(m)) for name, m in block.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in block.state_dict().items())
+    return modules, tensors
 
 
-def compile_blocks(model: Transformer) -> BlockGroups:
-    """The model's blocks as compiled groups, for `model(..., groups=...)`."""
+def group_size(structures: list[tuple]) -> int:
+    """How many consecutive blocks one compiled call runs, up to BLOCKS_PER_GROUP, dividing the
+    layers evenly: the size with the fewest distinct groups (each one a graph to compile), then
+    the fewest calls per step. A model whose layers are all alike gets one graph."""
+    n = len(structures)
+    sizes = [size for size in range(1, BLOCKS_PER_GROUP + 1) if n % size == 0]
+    return min(sizes, key=lambda size: (len(group_structures(structures, size)), n // size))
+
+
+def group_structures(structures: list[tuple], size: int) -> set[tuple]:
+    return {tuple(structures[first : first + size]) for first in range(0, len(structures), size)}
+
+
+def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
+    """The model's blocks as compiled groups, for `model(..., groups=...)`, and whether one graph
+    serves every group. Only then may the steps after the first skip torch.compile's guards: with
+    several graphs the guards choose between them (torch 2.13 fails a step that skips them)."""
     compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
-
+    structures = [block_structure(block) for block in model.layers]
+    size = group_size(structures)
     marked = False
 
     def run(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages):
@@ -62,7 +81,7 @@ def compile_blocks(model: Transformer) -> BlockGroups:
             marked = True
         return compiled(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages)
 
-    return BlockGroups(run, group_size(len(model.layers)))
+    return BlockGroups(run, size), len(group_structures(structures, size)) == 1
 
 
 def mark_slots_dynamic(k_caches, v_caches, mask: torch.Tensor | None, pages: Pages | None) -> None:

@@ -219,25 +219,25 @@ class Session:
             self.finished[row] = True
 
     def _build_step(self) -> Callable[..., object]:
-        groups = compile_blocks(self.model) if self.compile else None
+        groups, one_graph = compile_blocks(self.model) if self.compile else (None, False)
         advance = partial(decode_step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen, groups=groups)
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:
-            return partial(self._unguarded, advance)
+            return partial(self._timed_first, advance, unguarded=one_graph)
         return advance
 
-    def _unguarded(self, advance: Callable[..., object], **kwargs) -> None:
-        """The compiled blocks' first step checks their guards against these very objects; nothing
-        the guards read changes between steps (only tensor values do), so later steps skip the
-        check. With several compiled versions in the process, torch still checks what tells them apart."""
+    def _timed_first(self, advance: Callable[..., object], unguarded: bool, **kwargs) -> None:
+        """The first compiled step is timed (compiling, or loading inductor's cached code), and
+        checks the guards against these very objects. When one graph serves every group of blocks,
+        later steps skip that check: nothing the guards read changes between steps, only tensor values."""
         if not self._guards_checked:
             self._guards_checked = True
             start = time.perf_counter()
             advance(**kwargs)
             self.compile_s = time.perf_counter() - start
             return
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=unguarded):
             advance(**kwargs)
 
     @property

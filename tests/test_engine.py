@@ -55,7 +55,8 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
 
     monkeypatch.setattr(engine.compile, "BLOCKS_PER_GROUP", 1)
     model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU)
-    assert len(model.layers) == 2 and engine.compile.compile_blocks(model).size == 1
+    groups, one_graph = engine.compile.compile_blocks(model)
+    assert len(model.layers) == 2 and groups.size == 1 and one_graph
     prompts = prompts_of([9, 4], seed=6)
     eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
     torch._dynamo.reset()
@@ -64,11 +65,41 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
     assert counters["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize(("n_layers", "size"), [(30, 6), (24, 6), (28, 4), (2, 2), (7, 1)])
-def test_the_groups_split_the_layers_evenly(n_layers, size):
+@pytest.mark.parametrize(
+    ("layers", "size"),
+    [
+        ("a" * 30, 6), ("a" * 24, 6), ("a" * 28, 4), ("aa", 2), ("a" * 7, 1),
+        ("ab" * 12, 6),  # alternating: still one graph, of six blocks
+        ("aab" * 7, 3),
+        ("aab" * 7 + "abb", 6),  # two graphs, as with one block per call, in 4 calls instead of 24
+        ("aababbaaaaabbabbabbababb", 1),  # Qwen2.5-Coder's Q4_K_M layers (b: int8 down projection)
+    ],
+)
+def test_the_groups_split_the_layers_evenly_into_the_fewest_graphs(layers, size):
     from engine.compile import group_size
 
-    assert group_size(n_layers) == size
+    assert group_size(list(layers)) == size
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_layers_of_two_structures_compile_to_a_graph_each_and_give_the_eager_tokens(kind, tiny_checkpoint, monkeypatch):
+    """A GGUF file with mixed block types (Q4_K_M) imports some layers' matrices as int8 and the
+    others' as int4. Every step must run each layer's own graph: the steps after the first once
+    skipped the guards that choose between them, and failed."""
+    import engine.compile
+    from models.quantized import quantize_int8, quantized_linear
+
+    monkeypatch.setattr(engine.compile, "BLOCKS_PER_GROUP", 1)  # one block per group: a group of each structure
+    model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU, "int4", 32)  # float32: the same tokens, not only close ones
+    mlp = model.layers[1].mlp
+    weight = torch.randn(mlp.w_down.out_features, mlp.w_down.in_features, generator=torch.Generator().manual_seed(3)) * 0.05
+    mlp.w_down = quantized_linear(quantize_int8(weight), None, torch.float32, CPU)
+    groups, one_graph = engine.compile.compile_blocks(model)
+    assert groups.size == 1 and not one_graph
+    prompts = prompts_of([9, 4], seed=6)
+    eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
+    torch._dynamo.reset()
+    assert generate(model, prompts, 12, eos_ids=frozenset(), compile=True).tokens == eager
 
 
 def test_runs_of_different_lengths_share_one_compiled_step(tiny_checkpoint):

@@ -328,17 +328,21 @@ def _return_freed_memory() -> None:
 
 
 def _place_quantized(model: Transformer, quantized: dict[str, QuantizedWeight], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-    """Put quantized layers in place of the model's linears and embedding; their buffers join `state`."""
+    """Put quantized layers in place of the model's linears and embedding; their buffers join `state`.
+    Each portable copy leaves `quantized` once its layer is built, so the loading peak holds one
+    weight in both forms, not all of them."""
     layers = {}
-    for name, weight in quantized.items():
-        if name != "embed.weight":
-            path = name.removesuffix(".weight")
-            layers[path] = quantized_linear(weight, state.pop(path + ".bias", None), dtype, device)
-    head, table = layers["lm_head"], quantized.get("embed.weight")
-    if table is None and quantized["lm_head.weight"].mode == "int8":
+    table, head_mode = quantized.pop("embed.weight", None), quantized["lm_head.weight"].mode
+    head_copy = quantized["lm_head.weight"] if table is None and head_mode != "int8" else None  # the embedding's source
+    for name in list(quantized):
+        weight = quantized.pop(name)
+        path = name.removesuffix(".weight")
+        layers[path] = quantized_linear(weight, state.pop(path + ".bias", None), dtype, device)
+    head = layers["lm_head"]
+    if table is None and head_mode == "int8":
         layers["embed"] = Int8Embedding(head.weight, head.scales)  # tied: the LM head's own table
     else:
-        table = quantized["lm_head.weight"] if table is None else table
+        table = head_copy if table is None else table
         table = table if table.mode == "int8" else quantize_int8(table.dequantize())
         layers["embed"] = Int8Embedding(table.values.to(device), table.scales[:, 0].to(device, dtype))
     for path, layer in layers.items():
