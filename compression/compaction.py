@@ -1,29 +1,13 @@
-"""Compaction: move the kept slots to the front of the same cache buffers, per (layer, row, KV head)."""
+"""Compaction: move the kept slots to the front of the same cache buffers, per (layer, row, KV head).
+Each cache calls this on its own buffers (its `compact`); a paged one moves its slots through
+its block table with the same moves."""
 
 import torch
-
-from compression.cache import Cache
-from models.pages import page_address
 
 BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer type of each element size
 
 
-def compact_cache(
-    cache: Cache, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int
-) -> None:
-    """compact_in_place for the cache's K and V, in either layout, and for the manager's own
-    per-slot buffers [L, B, H_kv, S, ...] beside them. A paged row is compacted into the front of
-    its own blocks; the blocks left empty are the engine's to return."""
-    if cache.block_table is None:
-        compact_in_place([cache.k, cache.v, *buffers], prompt_length, keep, n_candidates, window)
-        return
-    source, target = _moves(prompt_length, keep, n_candidates, window)
-    for pool in (cache.k, cache.v):
-        _move_pages(pool, cache.block_table, source, target)
-    compact_in_place(buffers, prompt_length, keep, n_candidates, window)
-
-
-def _moves(prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def compaction_moves(prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The source and target slot of every kept slot and of the window, [L, B, H_kv, K + W] each."""
     L, B, H_kv, K = keep.shape
     window_offsets = torch.arange(n_candidates, n_candidates + window, device=keep.device).expand(L, B, H_kv, window)
@@ -31,19 +15,6 @@ def _moves(prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, w
     source = base + torch.cat([keep, window_offsets], dim=-1)
     target = (base + torch.arange(K + window, device=keep.device)).expand_as(source)
     return source, target
-
-
-def _move_pages(pool: torch.Tensor, block_table: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
-    """Slot source -> slot target of each (layer, row, KV head) in a pool [L, n_blocks, H_kv, block, D],
-    moving the values' bits as integers (see scatter_bits_). A layer's sources are all read before
-    any is written, as in compact_in_place."""
-    bits = pool.view(BITS[pool.element_size()])
-    heads = torch.arange(pool.shape[2], device=pool.device)[None, :, None]  # [1, H_kv, 1]
-    for layer in range(pool.shape[0]):
-        blocks, offsets = page_address(block_table, source[layer], pool.shape[3])  # [B, H_kv, N] each
-        moved = bits[layer][blocks, heads, offsets]  # [B, H_kv, N, D]
-        blocks, offsets = page_address(block_table, target[layer], pool.shape[3])
-        bits[layer][blocks, heads, offsets] = moved
 
 
 def compact_in_place(
@@ -59,7 +30,7 @@ def compact_in_place(
     layer's before writing any makes the in-place move safe. One layer at a time, so the copy in
     flight is one layer's kept part, not the whole model's.
     """
-    source, target = _moves(prompt_length, keep, n_candidates, window)  # [L, B, H_kv, K + W] each
+    source, target = compaction_moves(prompt_length, keep, n_candidates, window)  # [L, B, H_kv, K + W] each
     L = keep.shape[0]
     for buffer in buffers:
         sources, targets = _broadcast_to(source, buffer), _broadcast_to(target, buffer)

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compression.cache import Cache, all_keys, layer_keys, slot_shape
-from compression.compaction import compact_cache
+from compression.cache import Cache, slot_shape
 from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.policies import SCORERS, ScoringInputs
@@ -50,7 +49,7 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
     received.scatter_(3, new_slot, 0.0)
     rotated = apply_rope(queries, cos[:, None], sin[:, None])  # [L, B, H, 1, D]: cos/sin broadcast over layers and heads
     grouped = rotated.view(L, B, H_kv, H // H_kv, D).float()
-    logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, all_keys(cache).float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
+    logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, cache.all_keys().float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
     readable = torch.arange(S, device=cache.k.device)[None, :] <= cache.length[:, None]  # [B, S]
     logits = logits.masked_fill(~readable[None, :, None, None, :], float("-inf"))
     received += logits.softmax(dim=-1).sum(dim=3)
@@ -157,7 +156,7 @@ class CompressionManager:
             row = cache.row(b)
             keep = []
             for layer in range(L):
-                context = layer_keys(row, layer, P)  # [1, H_kv, P, D]
+                context = row.keys(layer, P)  # [1, H_kv, P, D]
                 inputs = ScoringInputs(
                     beacons=rotate_to_position(self.queries[layer, b : b + 1, :, : self.n_beacon], self.rope_cos[now], self.rope_sin[now]),
                     recent=apply_rope(self.prompt_tail[layer, b : b + 1], self.rope_cos[issued_at], self.rope_sin[issued_at]),
@@ -172,7 +171,7 @@ class CompressionManager:
                 )
                 keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
             sinks = torch.tensor([PREFIX_SINKS], device=cache.k.device)
-            compact_cache(row, [self.prefix_positions[:, b : b + 1]], sinks, torch.stack(keep), n_candidates, config.prefix_tail)
+            row.compact([self.prefix_positions[:, b : b + 1]], sinks, torch.stack(keep), n_candidates, config.prefix_tail)
             cache.prompt_length[b] = cache.length[b] = PREFIX_SINKS + config.prefix_budget + config.prefix_tail
         self.prompt_tail = None
 
@@ -254,7 +253,7 @@ class CompressionManager:
         in_use = cache.slot_ids[None, :S] < cache.length[:, None]  # [B, S]
         keep = []
         for layer in range(L):
-            context = layer_keys(cache, layer, S)  # [B, H_kv, S, D]
+            context = cache.keys(layer, S)  # [B, H_kv, S, D]
             keys = context.gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
@@ -274,7 +273,7 @@ class CompressionManager:
             )
             keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
         moved = [positions] + ([self.received] if self.received is not None else [])
-        compact_cache(cache, moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
+        cache.compact(moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=cache.k.device)
         torch.gather(positions, 3, kept_slots.expand(L, B, H_kv, config.budget), out=self.kept_positions)
         self.compacted = True

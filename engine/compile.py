@@ -17,7 +17,7 @@ every prompt, and its products are large enough that compiling saves little.
 import torch
 
 from engine.cpu import simd_bits
-from models.pages import Pages
+from models.kv_layers import LayerKV, slots_read
 from models.transformer import BlockGroups, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
@@ -74,25 +74,22 @@ def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
     size = group_size(structures)
     marked = False
 
-    def run(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages):
+    def run(blocks, x, inputs, kvs):
         nonlocal marked
         if not marked:  # once: the graph it compiles takes every later size
-            mark_slots_dynamic(k_caches, v_caches, mask, pages)
+            mark_slots_dynamic(inputs.mask, kvs)
             marked = True
-        return compiled(blocks, x, cos, sin, k_caches, v_caches, write_slots, mask, pages)
+        return compiled(blocks, x, inputs, kvs)
 
     return BlockGroups(run, size), len(group_structures(structures, size)) == 1
 
 
-def mark_slots_dynamic(k_caches, v_caches, mask: torch.Tensor | None, pages: Pages | None) -> None:
+def mark_slots_dynamic(mask: torch.Tensor | None, kvs: list[LayerKV]) -> None:
     """The number of slots read is a size the compiled code takes as a variable, from its first
     call on: one graph then serves a step that reads only the slots in use (their count grows by
     one per token), every cache size, and, through inductor's on-disk cache, every later run."""
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, 3)  # [B, 1, T, S]
-    if pages is None:
-        for layer in (*k_caches, *v_caches):
-            torch._dynamo.maybe_mark_dynamic(layer, 2)  # [B, H_kv, S, D]
-    else:
-        torch._dynamo.maybe_mark_dynamic(pages.blocks, 2)  # [B, 1, S]
-        torch._dynamo.maybe_mark_dynamic(pages.offsets, 2)
+    for kv in kvs:
+        for tensor, dim in slots_read(kv):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)

@@ -15,6 +15,7 @@ from compression.manager import CompressionManager, PerRowManagers
 from engine.kv_cache import KVCache
 from engine.paged_cache import PagedKVCache
 from engine.sampling import SamplingConfig, sample
+from models.kv_layers import CacheRead
 from models.transformer import BlockGroups, Transformer
 
 
@@ -46,7 +47,7 @@ def prefill(
         real = slots[None, None, :] < (cache.length + lengths)[:, None, None]  # [B, 1, S] not padding
         mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
-    k, v, block_table = cache.view(max(held) + T)
+    view = CacheRead(cache.layers(max(held) + T), write_slots, mask)
     fresh = max(held) == 0
     tails = []  # a chat turn: each layer's last queries [B, H, <=n_recent, D], for the recent ring
 
@@ -56,10 +57,7 @@ def prefill(
     on_queries = None  # the KV policy takes each layer's queries as it finishes: no layer's outlive it
     if compression is not None:
         on_queries = partial(compression.seed_layer, prompt_lengths=lengths) if fresh else keep_tail
-    logits = model(
-        tokens, positions, k_cache=k, v_cache=v, write_slots=write_slots, mask=mask,
-        logit_index=None if all_logits else lengths - 1, on_queries=on_queries, block_table=block_table,
-    )
+    logits = model(tokens, positions, view, logit_index=None if all_logits else lengths - 1, on_queries=on_queries)
     if tails:
         compression.append(torch.stack(tails), [len(p) for p in prompts])
     if fresh:
@@ -90,14 +88,12 @@ def decode_step(
     + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
     graph needs. Attention time grows with the slots read."""
     slots = cache.length[:, None]  # [B, 1]
-    k, v, block_table = cache.view(n_read)
     slot_ids = cache.slot_ids if n_read is None else cache.slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
     queries = []  # each layer's [B, H, 1, D]: one token's are small, so the manager takes them all at once
-    logits = model(
-        tokens[:, None], cache.position[:, None], k_cache=k, v_cache=v, write_slots=slots, mask=mask,
-        on_queries=None if compression is None else lambda layer, q: queries.append(q), block_table=block_table, groups=groups,
-    )
+    view = CacheRead(cache.layers(n_read), slots, mask)
+    on_queries = None if compression is None else lambda layer, q: queries.append(q)
+    logits = model(tokens[:, None], cache.position[:, None], view, on_queries=on_queries, groups=groups)
     if compression is not None:
         compression.record(torch.stack(queries), cache.position)
     logits = logits[:, 0]  # [B, V]

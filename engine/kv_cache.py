@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from compression.compaction import compact_in_place
 from models.config import ModelConfig
+from models.kv_layers import RowsLayer
 
 
 @dataclass
@@ -20,7 +22,6 @@ class KVCache:
     position: torch.Tensor  # [B] int64 absolute position of the next token
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
     slot_ids: torch.Tensor  # [S] 0..S-1, kept so that the decode step's mask needs no new index tensor
-    block_table = None  # the contiguous cache has none; the paged one's maps slots to blocks (engine/paged_cache.py)
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
@@ -46,11 +47,24 @@ class KVCache:
         """Every slot is held for the whole run."""
         return self.nbytes
 
-    def view(self, n_slots: int | None) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """What attention reads for the first n_slots slots of each row (None: the whole buffer)."""
-        if n_slots is None:
-            return self.k, self.v, None
-        return self.k[:, :, :, :n_slots], self.v[:, :, :, :n_slots], None
+    def layers(self, n_slots: int | None) -> list[RowsLayer]:
+        """Each layer's view of the first n_slots slots of every row (None: the whole buffer), for
+        a forward pass: what it writes lands in the cache."""
+        k, v = (self.k, self.v) if n_slots is None else (self.k[:, :, :, :n_slots], self.v[:, :, :, :n_slots])
+        return [RowsLayer(*layer) for layer in zip(k.unbind(0), v.unbind(0))]
+
+    def keys(self, layer: int, n_slots: int) -> torch.Tensor:
+        """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
+        return self.k[layer, :, :, :n_slots]
+
+    def all_keys(self) -> torch.Tensor:
+        """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
+        return self.k
+
+    def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
+        """Move each (layer, row, KV head)'s kept slots to the front, and the same slots of the
+        caller's own per-slot buffers [L, B, H_kv, S, ...] (compression.compaction.compact_in_place)."""
+        compact_in_place([self.k, self.v, *buffers], prompt_length, keep, n_candidates, window)
 
     def row(self, b: int) -> "KVCache":
         """Row b alone, as a cache of one row: views of this one's buffers and counters."""

@@ -16,9 +16,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from compression.compaction import BITS, compact_in_place, compaction_moves
 from errors import UserError
 from models.config import ModelConfig
 from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
+from models.kv_layers import PagedLayer
+from models.pages import gather_pages, page_address, read_pages
 
 SCRATCH_BLOCK = 0
 
@@ -104,11 +107,40 @@ class PagedKVCache:
         """K and V bytes of the most blocks held at once."""
         return self.peak_blocks * self.block_bytes
 
-    def view(self, n_slots: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What attention reads for the first n_slots slots of each row (None: all n_slots of them):
-        the whole pool and table, for the model reads as many slots as its mask covers. One table
-        shape for every n_slots keeps a compiled step from specialising on it."""
-        return self.k, self.v, self.block_table
+    def layers(self, n_slots: int | None) -> list[PagedLayer]:
+        """Each layer's pool, with where the first n_slots slots of every row lie (None: all
+        n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
+        compiled step does not specialise on it."""
+        pages = read_pages(self.block_table, self.n_slots if n_slots is None else n_slots, self.k.shape[2], self.block_size)
+        return [PagedLayer(k, v, pages) for k, v in zip(self.k.unbind(0), self.v.unbind(0))]
+
+    def keys(self, layer: int, n_slots: int) -> torch.Tensor:
+        """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
+        return gather_pages(self.k[layer], read_pages(self.block_table, n_slots, self.k.shape[2], self.block_size))
+
+    def all_keys(self) -> torch.Tensor:
+        """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
+        return gather_pages(self.k, read_pages(self.block_table, self.n_slots, self.k.shape[2], self.block_size))
+
+    def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
+        """Compact each row into the front of its own blocks, and the caller's per-slot buffers
+        [L, B, H_kv, S, ...] as compact_in_place does; the blocks left empty are for `shrink` to return."""
+        source, target = compaction_moves(prompt_length, keep, n_candidates, window)
+        for pool in (self.k, self.v):
+            self._move_slots(pool, source, target)
+        compact_in_place(buffers, prompt_length, keep, n_candidates, window)
+
+    def _move_slots(self, pool: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Slot source -> slot target [L, B, H_kv, N] of each (layer, row, KV head) in a pool,
+        moving the values' bits as integers (compression.compaction.scatter_bits_). A layer's
+        sources are all read before any is written, as in compact_in_place."""
+        bits = pool.view(BITS[pool.element_size()])
+        heads = torch.arange(pool.shape[2], device=pool.device)[None, :, None]  # [1, H_kv, 1]
+        for layer in range(pool.shape[0]):
+            blocks, offsets = page_address(self.block_table, source[layer], self.block_size)  # [B, H_kv, N] each
+            moved = bits[layer][blocks, heads, offsets]  # [B, H_kv, N, D]
+            blocks, offsets = page_address(self.block_table, target[layer], self.block_size)
+            bits[layer][blocks, heads, offsets] = moved
 
     def row(self, b: int) -> "PagedKVCache":
         """Row b alone, as a cache of one row over the same pool: views of its table and counters.

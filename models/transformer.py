@@ -1,9 +1,9 @@
 """The decoder-only transformer of Llama, Mistral, Qwen2 and Qwen3, in one file.
 
-The model owns no cache. Every forward pass is told where its keys and values live (the
-engine's static cache buffers, or a pool of blocks and each row's block table), which cache slot
-each new token is written to, and which slots each query may read (a boolean mask). Prefill and
-decode are the same code path.
+The model owns no cache. Every forward pass is handed a view of one (models/kv_layers.py): each
+layer's keys and values, which cache slot each new token is written to, and which slots each
+query may read (a boolean mask). A layer only writes and attends through its view; whether the
+cache is contiguous or paged is the view's business. Prefill and decode are the same code path.
 
 Projections are fused at load time: one matmul computes q, k and v, one computes gate and up.
 Under tensor parallelism (models/parallel.py) each rank runs this same model on its share of the
@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.flash_attention import flash_decode, flash_decode_supported
+from models.kv_layers import CacheRead, LayerKV, attend, write
 from models.linear import Linear
-from models.pages import Pages, gather_pages, page_address, read_pages
 from models.parallel import TensorParallel, gather_vocab, reduce_sum, shard_config
 from models.rope import apply_rope, rope_cos_sin, rope_tables
 
@@ -39,6 +38,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class LayerInputs(NamedTuple):
+    """What every layer of one forward pass reads besides its weights and its cache layer."""
+
+    cos: torch.Tensor  # [B, T, D] RoPE rows of each token's position
+    sin: torch.Tensor  # [B, T, D]
+    write_slots: torch.Tensor  # [B, T] the cache slot of each new token
+    mask: torch.Tensor | None  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, parallel: TensorParallel | None = None):
         super().__init__()
@@ -52,18 +60,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, C]
-        cos: torch.Tensor,  # [B, T, D]
-        sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [B, H_kv, S, D] this layer's keys, written in place; paged: [n_blocks, H_kv, block, D]
-        v_cache: torch.Tensor,  # like k_cache
-        write_slots: torch.Tensor,  # [B, T] cache slot of each new token
-        mask: torch.Tensor | None,  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T
-        pages: Pages | None = None,  # with a paged cache: its block table, and where the slots read lie
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output [B, T, C] and the queries before RoPE [B, H, T, D] (for compression)."""
+    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output [B, T, C] for x [B, T, C], and the queries before RoPE [B, H, T, D]
+        (what a KV policy scores with)."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
@@ -72,62 +71,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q_before_rope = q.transpose(1, 2)  # [B, H, T, D]
-        q = apply_rope(q_before_rope, cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+        q = apply_rope(q_before_rope, inputs.cos, inputs.sin)
+        k = apply_rope(k.transpose(1, 2), inputs.cos, inputs.sin)  # [B, H_kv, T, D]
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
-
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
-        if pages is None:
-            rows = torch.arange(B, device=x.device)[:, None]  # [B, 1]
-            k_cache[rows, :, write_slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
-            v_cache[rows, :, write_slots] = v.transpose(1, 2)
-            out = attend(q, k_cache, v_cache, write_slots, mask)  # [B, H, T, D]
-        else:
-            blocks, offsets = page_address(pages.table, write_slots, k_cache.shape[2])  # [B, T] each
-            k_cache[blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
-            v_cache[blocks, :, offsets] = v.transpose(1, 2)
-            out = attend_pages(q, k_cache, v_cache, pages, write_slots, mask)
+        write(kv, k, v, inputs.write_slots)
+        out = attend(kv, q, inputs.write_slots, inputs.mask)  # [B, H, T, D]
         return reduce_sum(self.wo(out.transpose(1, 2).reshape(B, T, H * D)), self.parallel), q_before_rope
-
-
-def attend(
-    q: torch.Tensor,  # [B, H, T, D] after RoPE
-    k_cache: torch.Tensor,  # [B, H_kv, S, D] one layer's keys, the new ones written
-    v_cache: torch.Tensor,  # [B, H_kv, S, D]
-    write_slots: torch.Tensor,  # [B, T]
-    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
-) -> torch.Tensor:
-    """Attention over the cache, [B, H, T, D], by the fastest kernel that applies."""
-    B, H, T, D = q.shape
-    if T == 1 and flash_decode_supported(k_cache):
-        # flash-attn reads only each row's slots in use (the new token's slot + 1).
-        return flash_decode(q, k_cache, v_cache, write_slots[:, 0] + 1)
-    if mask is None:
-        # SDPA's causal kernel skips the blocks above the diagonal and pairs query heads with
-        # their KV head itself (docs/performance.md).
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, is_causal=True, enable_gqa=True)
-    # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
-    H_kv = k_cache.shape[1]
-    G = H // H_kv
-    if T > 1:
-        mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
-    out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G * T, D), k_cache, v_cache, attn_mask=mask)  # [B, H_kv, G*T, D]
-    return out.view(B, H, T, D)
-
-
-def attend_pages(
-    q: torch.Tensor,  # [B, H, T, D] after RoPE
-    k_pool: torch.Tensor,  # [n_blocks, H_kv, block, D] one layer's pool, the new keys written
-    v_pool: torch.Tensor,  # [n_blocks, H_kv, block, D]
-    pages: Pages,
-    write_slots: torch.Tensor,  # [B, T]
-    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
-) -> torch.Tensor:
-    """Attention over a paged cache, [B, H, T, D]: flash-attn reads the blocks through the table
-    itself; otherwise each row's first S slots are gathered into one tensor for SDPA."""
-    if q.shape[2] == 1 and flash_decode_supported(k_pool, paged=True):
-        return flash_decode(q, k_pool, v_pool, write_slots[:, 0] + 1, pages.table)
-    return attend(q, gather_pages(k_pool, pages), gather_pages(v_pool, pages), write_slots, mask)
 
 
 class MLP(nn.Module):
@@ -150,41 +100,21 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, parallel)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, C]
-        cos: torch.Tensor,  # [B, T, D]
-        sin: torch.Tensor,  # [B, T, D]
-        k_cache: torch.Tensor,  # [B, H_kv, S, D] this layer's; paged: [n_blocks, H_kv, block, D]
-        v_cache: torch.Tensor,  # like k_cache
-        write_slots: torch.Tensor,  # [B, T]
-        mask: torch.Tensor | None,  # [B, 1, T, S]
-        pages: Pages | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
-        attended, queries = self.attn(
-            self.attn_norm(x), cos, sin, k_cache=k_cache, v_cache=v_cache, write_slots=write_slots, mask=mask,
-            pages=pages,
-        )
+        attended, queries = self.attn(self.attn_norm(x), inputs, kv)
         x = x + attended
         return x + self.mlp(self.mlp_norm(x)), queries
 
 
 def run_blocks(
-    blocks: Sequence[Block],
-    x: torch.Tensor,  # [B, T, C]
-    cos: torch.Tensor,  # [B, T, D]
-    sin: torch.Tensor,  # [B, T, D]
-    k_caches: Sequence[torch.Tensor],  # each block's layer of the cache, [B, H_kv, S, D] (paged: [n_blocks, H_kv, block, D])
-    v_caches: Sequence[torch.Tensor],
-    write_slots: torch.Tensor,  # [B, T]
-    mask: torch.Tensor | None,  # [B, 1, T, S]
-    pages: Pages | None,
+    blocks: Sequence[Block], x: torch.Tensor, inputs: LayerInputs, kvs: Sequence[LayerKV]
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Consecutive blocks: their output [B, T, C] and each one's queries before RoPE [B, H, T, D]."""
+    """Consecutive blocks, each on its cache layer: their output [B, T, C] and each one's queries
+    before RoPE [B, H, T, D]."""
     queries = []
-    for block, k_cache, v_cache in zip(blocks, k_caches, v_caches):
-        x, q = block(x, cos, sin, k_cache=k_cache, v_cache=v_cache, write_slots=write_slots, mask=mask, pages=pages)
+    for block, kv in zip(blocks, kvs):
+        x, q = block(x, inputs, kv)
         queries.append(q)
     return x, queries
 
@@ -233,13 +163,10 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T] absolute positions, for RoPE
-        k_cache: torch.Tensor,  # [L, B, H_kv, S, D]; paged: [L, n_blocks, H_kv, block, D]
-        v_cache: torch.Tensor,  # like k_cache
-        write_slots: torch.Tensor,  # [B, T]
-        mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1 (S == T), no padding
+        cache: CacheRead,
+        *,
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
         on_queries: Callable[[int, torch.Tensor], None] | None = None,
-        block_table: torch.Tensor | None = None,  # [B, max_blocks]: k_cache/v_cache are pools of blocks
         groups: BlockGroups | None = None,  # default: one block at a time, eager
     ) -> torch.Tensor:
         """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
@@ -249,17 +176,12 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # [B, T, C]
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        pages = None  # a paged cache: where each row's slots lie, worked out once for every layer
-        if block_table is not None:
-            n_read = tokens.shape[1] if mask is None else mask.shape[-1]
-            pages = read_pages(block_table, n_read, k_cache.shape[2], k_cache.shape[3])
+        inputs = LayerInputs(cos.to(x.dtype), sin.to(x.dtype), cache.write_slots, cache.mask)
         run, size = BlockGroups(run_blocks, 1) if groups is None else groups
         blocks = list(self.layers)
-        k_caches, v_caches = k_cache.unbind(0), v_cache.unbind(0)  # each layer's view: what a block writes lands in the cache
         for first in range(0, len(blocks), size):
             end = first + size
-            x, queries = run(blocks[first:end], x, cos, sin, k_caches[first:end], v_caches[first:end], write_slots, mask, pages)
+            x, queries = run(blocks[first:end], x, inputs, cache.layers[first:end])
             if on_queries is not None:
                 for layer, q in enumerate(queries, start=first):
                     on_queries(layer, q)

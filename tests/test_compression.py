@@ -18,6 +18,7 @@ from engine.generation import generate
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
+from models.kv_layers import CacheRead
 from models.rope import apply_rope
 from weights.loader import load_model
 
@@ -405,7 +406,7 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, on_queries=lambda _, q: collected.append(q))
+    model(torch.tensor([sequence]), positions, CacheRead(cache.layers(None), positions, None), on_queries=lambda _, q: collected.append(q))
     queries = torch.stack(collected)  # [L, 1, H, T, D]
     L, _, H, _, D = queries.shape
     H_kv = cache.k.shape[2]
@@ -443,7 +444,7 @@ def queries_of(model, sequence: list[int]) -> torch.Tensor:
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    model(torch.tensor([sequence]), positions, k_cache=cache.k, v_cache=cache.v, write_slots=positions, mask=None, on_queries=lambda _, q: collected.append(q))
+    model(torch.tensor([sequence]), positions, CacheRead(cache.layers(None), positions, None), on_queries=lambda _, q: collected.append(q))
     return torch.stack(collected)
 
 

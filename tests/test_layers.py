@@ -1,6 +1,8 @@
 """The project's dependency arrows, read from the imports themselves (docs/design.md)."""
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +59,31 @@ def test_the_rule_catches_a_back_arrow(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("import os\nfrom engine.generation import generate\nimport weights.loader as loader\nfrom . import sibling\n")
     assert imported_parts(source) == {"engine", "weights"}
+
+
+# The files that know how a cache lays out its slots (contiguous rows, or blocks through a table).
+CACHE_FILES = {"engine/kv_cache.py", "engine/paged_cache.py", "models/pages.py", "models/kv_layers.py", "models/flash_attention.py"}
+
+
+def names_used(path: Path) -> set[str]:
+    """The identifiers of a file's code, comments and strings left out."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return {t.string for t in tokens if t.type == tokenize.NAME}
+
+
+def test_only_the_cache_files_know_of_a_block_table():
+    """Everything else writes, reads, scores and compacts through the caches' verbs
+    (models/kv_layers.py for the model; keys, all_keys, compact for compression)."""
+    knowing = [str(p.relative_to(REPO)) for p in project_files() if "block_table" in names_used(p)]
+    assert sorted(set(knowing) - CACHE_FILES) == []
+
+
+def test_the_block_table_rule_reads_code_not_comments(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text('"""a block_table docstring"""\n# block_table\nx = "block_table"\n')
+    assert "block_table" not in names_used(source)
+    source.write_text("if cache.block_table is None:\n    pass\n")
+    assert "block_table" in names_used(source)
 
 
 def test_every_project_file_is_covered():

@@ -4,7 +4,7 @@ table against the contiguous cache, compaction on pages, and answers in prompt o
 import pytest
 import torch
 
-from compression.compaction import compact_cache, compact_in_place
+from compression.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
 from engine.generation import Session, generate
 from engine.kv_cache import KVCache
@@ -99,7 +99,7 @@ def test_compaction_on_pages_moves_what_compaction_on_the_contiguous_cache_moves
     keep = torch.randint(0, 6, (L, B, H_kv, 3)).sort(dim=-1).values  # ascending offsets, repeats allowed
     positions = torch.arange(S).expand(L, B, H_kv, S).clone()
     compact_in_place([contiguous.k, contiguous.v], prompt_length, keep, 6, 2)
-    compact_cache(paged, [positions], prompt_length, keep, 6, 2)
+    paged.compact([positions], prompt_length, keep, 6, 2)
     pages = read_pages(paged.block_table, S, H_kv, 4)
     assert torch.equal(gather_pages(paged.k, pages), contiguous.k)
     assert torch.equal(gather_pages(paged.v, pages), contiguous.v)

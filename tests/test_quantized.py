@@ -20,7 +20,9 @@ from torch import nn
 
 import generate
 from engine.generation import generate as generate_tokens
+from engine.kv_cache import KVCache
 from errors import UserError
+from models.kv_layers import CacheRead
 from models.quantized import Int4Linear, Int8Embedding, Int8Linear, QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import write_gguf
 from tiny_checkpoints import tensors_in_file
@@ -63,10 +65,9 @@ def all_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, V] of one causal forward over an empty cache of exactly T slots."""
     B, T = tokens.shape
     c = model.config
-    cache_shape = (c.n_layers, B, c.n_kv_heads, T, c.head_dim)
-    k_cache, v_cache = torch.zeros(cache_shape, dtype=model.dtype), torch.zeros(cache_shape, dtype=model.dtype)
+    cache = KVCache.allocate(c, B, T, model.dtype, torch.device("cpu"))
     slots = torch.arange(T).expand(B, T)
-    return model(tokens, slots, k_cache, v_cache, slots, mask=None)
+    return model(tokens, slots, CacheRead(cache.layers(None), slots, None))
 
 
 def random_tokens(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""What one forward pass sees of the KV cache: each layer's keys and values, where the new tokens
+are written, and which slots each query reads. The model calls two verbs on a layer, `write` and
+`attend`; which layout holds the slots (contiguous rows, or a pool of blocks through a block
+table, models/pages.py) is decided here and nowhere else in the model.
+
+The engine's caches make these views (engine/kv_cache.py, engine/paged_cache.py): a layer's
+view is its slice of the cache's buffers, so what a block writes lands in the cache itself.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from models.flash_attention import flash_decode, flash_decode_supported
+from models.pages import Pages, gather_pages, page_address
+
+
+class RowsLayer(NamedTuple):
+    """One layer of the contiguous cache: row b's slot s is k[b, :, s]."""
+
+    k: torch.Tensor  # [B, H_kv, S, D] keys after RoPE
+    v: torch.Tensor  # [B, H_kv, S, D]
+
+
+class PagedLayer(NamedTuple):
+    """One layer of the paged cache: row b's slot s lies in block pages.table[b, s // block]."""
+
+    k: torch.Tensor  # [n_blocks, H_kv, block, D] the layer's pool
+    v: torch.Tensor  # [n_blocks, H_kv, block, D]
+    pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
+
+
+LayerKV = RowsLayer | PagedLayer
+
+
+class CacheRead(NamedTuple):
+    """The cache as one forward pass reads and writes it; the same for every layer but `layers`."""
+
+    layers: list[LayerKV]  # one per model layer
+    write_slots: torch.Tensor  # [B, T] the cache slot of each new token
+    mask: torch.Tensor | None  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T, no padding
+
+
+def write(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new keys and values [B, H_kv, T, D] at the slots [B, T] of their rows."""
+    if isinstance(layer, PagedLayer):
+        blocks, offsets = page_address(layer.pages.table, slots, layer.k.shape[2])  # [B, T] each
+        layer.k[blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
+        layer.v[blocks, :, offsets] = v.transpose(1, 2)
+        return
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+    layer.k[rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
+    layer.v[rows, :, slots] = v.transpose(1, 2)
+
+
+def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of the queries [B, H, T, D] (after RoPE) over the layer's slots, [B, H, T, D],
+    by the fastest kernel that applies. flash-attn reads only each row's slots in use (the new
+    token's slot + 1), through the block table itself for a paged layer; otherwise a paged row's
+    first S slots are gathered into one tensor, and SDPA runs as on the contiguous cache."""
+    paged = isinstance(layer, PagedLayer)
+    if q.shape[2] == 1 and flash_decode_supported(layer.k, paged=paged):
+        return flash_decode(q, layer.k, layer.v, slots[:, 0] + 1, layer.pages.table if paged else None)
+    if paged:
+        return sdpa(q, gather_pages(layer.k, layer.pages), gather_pages(layer.v, layer.pages), mask)
+    return sdpa(q, layer.k, layer.v, mask)
+
+
+def slots_read(layer: LayerKV) -> list[tuple[torch.Tensor, int]]:
+    """The layer's tensors whose size along a dimension is the number of slots read, with that
+    dimension (what a compiled step takes as a variable size)."""
+    if isinstance(layer, PagedLayer):
+        return [(layer.pages.blocks, 2), (layer.pages.offsets, 2)]  # [B, 1, S] each
+    return [(layer.k, 2), (layer.v, 2)]  # [B, H_kv, S, D]
+
+
+def sdpa(
+    q: torch.Tensor,  # [B, H, T, D] after RoPE
+    k: torch.Tensor,  # [B, H_kv, S, D] one layer's keys, the new ones written
+    v: torch.Tensor,  # [B, H_kv, S, D]
+    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
+) -> torch.Tensor:
+    B, H, T, D = q.shape
+    if mask is None:
+        # SDPA's causal kernel skips the blocks above the diagonal and pairs query heads with
+        # their KV head itself (docs/performance.md).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    # GQA without copying K/V: the G query heads sharing a KV head become G*T query rows.
+    H_kv = k.shape[1]
+    G = H // H_kv
+    if T > 1:
+        mask = mask.unsqueeze(2).expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+    out = F.scaled_dot_product_attention(q.reshape(B, H_kv, G * T, D), k, v, attn_mask=mask)  # [B, H_kv, G*T, D]
+    return out.view(B, H, T, D)
