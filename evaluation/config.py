@@ -23,7 +23,7 @@ class Sizes:
 
 
 # The default run: about 41 recalls per trace of 2048 tokens, so >= 300 recalls of each kind on
-# SmolLM2 (docs/results.md gives its time per model); --quick is a smoke run.
+# SmolLM2 (docs/evaluation.md gives its time per model); --quick is a smoke run.
 FULL = Sizes(length=2048, n_traces=8, n_text=2, text_prompt=32, n_continuations=2, continuation_prompt=64, future_queries=16, attention_every=8)
 QUICK = Sizes(length=400, n_traces=1, n_text=1, text_prompt=16, n_continuations=1, continuation_prompt=32, future_queries=4, attention_every=2)
 # (budgets, hysteresis, window, n_beacon, n_recent) where the command line does not say; budgets

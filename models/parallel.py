@@ -129,7 +129,7 @@ def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor
     if parallel is None:
         return x
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        # gloo: its 16-bit sum measured slower than float32's (docs/results.md), and some versions have none;
+        # gloo: its 16-bit sum measured slower than float32's (docs/tensor-parallel.md), and some versions have none;
         # summed in float32, the result is rounded once on the way back.
         return collectives.all_reduce(x.float(), "sum", parallel.group).to(x.dtype)
     return collectives.all_reduce(x, "sum", parallel.group)

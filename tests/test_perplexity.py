@@ -39,7 +39,7 @@ def test_engine_and_llama_cpp_agree_on_the_same_gguf_weights():
     """SmolLM2's Q4_1 file: the engine in float32 computes with exactly the dequantized weights, and the
     quantized import with the same int4 values; llama.cpp rounds its activations to 8 bits inside its dot
     products, so the perplexities agree to within 2%, not exactly (measured here: 0.6% for the float32
-    import, 0.5% for the quantized one; 0.2% on the 4096 tokens of prose in docs/results.md)."""
+    import, 0.5% for the quantized one; 0.2% on the 4096 tokens of prose in docs/quantization.md)."""
     from weights.packaged import smollm2_checkpoint, smollm2_gguf
     from weights.tokenizer import Tokenizer
 
