@@ -221,7 +221,10 @@ def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.de
     pages = page_config(args, device, args.paged or args.max_batch is not None)
     with torch.inference_mode():
         if prompts is None:
-            session = Session(model, 1, chat_context(args, model), tokenizer.eos_ids, sampling, compression, args.compile, cuda_graph, pages)
+            session = Session(
+                model, 1, chat_context(args, model), eos_ids=tokenizer.eos_ids, sampling=sampling, compression=compression, compile=args.compile,
+                cuda_graph=cuda_graph, pages=pages,
+            )
             chat(args, model, tokenizer, session)
         elif args.max_batch is not None:
             answer_continuously(args, model, tokenizer, prompts, sampling, compression, cuda_graph, pages)
@@ -247,7 +250,10 @@ def answer(
                     print(piece, end="", flush=True)
         return [row for row, text in enumerate(texts) if text.stops.stopped]
 
-    result = generate(model, prompts, args.max_new_tokens, eos_ids(args, tokenizer), sampling, args.compile, on_tokens, compression, cuda_graph, pages)
+    result = generate(
+        model, prompts, args.max_new_tokens, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compile=args.compile, on_tokens=on_tokens,
+        compression=compression, cuda_graph=cuda_graph, pages=pages,
+    )
     endings = [text.flush() for text in texts]
     if streaming:
         print(endings[0], flush=True)  # all of the answer before the summary, when both go to a terminal
@@ -283,7 +289,10 @@ def answer_continuously(
             printed += 1
 
     requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
-    run = serve(model, requests, args.max_batch, eos_ids(args, tokenizer), sampling, compression, pages, args.compile, cuda_graph, on_token, on_done)
+    run = serve(
+        model, requests, args.max_batch, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compression=compression, pages=pages,
+        compile=args.compile, cuda_graph=cuda_graph, on_token=on_token, on_done=on_done,
+    )
     print(batch_summary(run), file=sys.stderr)
 
 

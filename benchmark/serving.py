@@ -73,7 +73,7 @@ def load_engine_continuous(w: ServingWorkload) -> Loaded:
 
     def measure() -> ServingTrial:
         with torch.inference_mode():
-            run = serve(model, w.requests, w.max_batch, frozenset(), compression=w.compression, pages=pages, compile=w.compile,
+            run = serve(model, w.requests, w.max_batch, eos_ids=frozenset(), compression=w.compression, pages=pages, compile=w.compile,
                         cuda_graph=w.device.type == "cuda")
         synchronize(w.device)
         return ServingTrial(run.seconds, run.new_tokens, run.kv_peak_bytes, run.most_rows)

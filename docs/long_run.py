@@ -61,7 +61,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}; resident before: {resident_mib():.1f} MiB", flush=True)
     with torch.inference_mode():
-        result = generate(model, [prompt], args.new_tokens, frozenset(), sampling, on_tokens=on_tokens, compression=policy)
+        result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, compression=policy)
     stats = result.compression
     print(f"{result.new_tokens} tokens, {stats.compactions} compactions, KV cache {result.kv_cache_bytes / 2**20:.1f} MiB, "
           f"decode {result.decode_steps / result.decode_s:.1f} tok/s overall")

@@ -67,7 +67,7 @@ class Conversation:
         first = self.session.prefill([new_ids])
         self.fed += new_ids
         logits = self.session.last_logits[0]
-        answer = decode(self.session, first, max_new_tokens, on_tokens)[0][0]
+        answer = decode(self.session, first, max_new_tokens, on_tokens=on_tokens)[0][0]
         # The last sampled token is fed only by a next step: unless it was EOS, the answer's last
         # token is not in the cache yet, and the next turn starts with it.
         ended_on_eos = self.session.tokens.tolist()[0] in self.session.eos_ids

@@ -78,6 +78,7 @@ class Session:
         model: Transformer,
         batch: int,
         n_slots: int,
+        *,
         eos_ids: frozenset[int],
         sampling: SamplingConfig = SamplingConfig(),
         compression: CompressionConfig = CompressionConfig(),
@@ -245,7 +246,7 @@ class Session:
         return self.manager.stats if self.manager is not None else None
 
 
-def decode(session: Session, first: list[int], max_new_tokens: int, on_tokens: OnTokens | None = None) -> tuple[list[list[int]], int]:
+def decode(session: Session, first: list[int], max_new_tokens: int, *, on_tokens: OnTokens | None = None) -> tuple[list[list[int]], int]:
     """The token loop: from the tokens prefill sampled, step until every row has finished or
     max_new_tokens are out. Returns each row's tokens (EOS excluded) and the steps taken."""
     new_tokens = first
@@ -273,6 +274,7 @@ def generate(
     model: Transformer,
     prompts: list[list[int]],
     max_new_tokens: int,
+    *,
     eos_ids: frozenset[int],
     sampling: SamplingConfig = SamplingConfig(),
     compile: bool = False,
@@ -292,14 +294,16 @@ def generate(
     if n_slots is not None and n_slots < needed:
         raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
     n_slots = needed if n_slots is None else n_slots
-    session = Session(model, len(prompts), n_slots, eos_ids, sampling, compression, compile, cuda_graph, pages)
+    session = Session(
+        model, len(prompts), n_slots, eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
+    )
 
     start = time.perf_counter()
     first = session.prefill(prompts)
     prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    tokens, steps = decode(session, first, max_new_tokens, on_tokens)
+    tokens, steps = decode(session, first, max_new_tokens, on_tokens=on_tokens)
     decode_s = time.perf_counter() - start
     cache = session.cache
     return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, cache.peak_bytes, session.stats, session.compile_s)

@@ -52,6 +52,7 @@ def serve(
     model: Transformer,
     requests: list[Request],
     max_batch: int,
+    *,
     eos_ids: frozenset[int],
     sampling: SamplingConfig = SamplingConfig(),
     compression: CompressionConfig = CompressionConfig(),
@@ -68,7 +69,10 @@ def serve(
     for request in requests:
         check_lengths(model, [request.prompt], request.max_new_tokens)
     worst = [compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests]  # slots a prompt may hold at once
-    session = Session(model, max_batch, max(worst), eos_ids, sampling, compression, compile, cuda_graph, pages, continuous=True)
+    session = Session(
+        model, max_batch, max(worst), eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
+        continuous=True,
+    )
     cache = session.cache
     assert isinstance(cache, PagedKVCache)
     need = [-(-n // cache.block_size) for n in worst]  # blocks

@@ -123,7 +123,7 @@ def run_cell(
     for first in range(0, len(problems), config.batch):
         rows = order[first : first + config.batch]
         tick = time.perf_counter()
-        result = generate(model, [prompts[i] for i in rows], config.max_new_tokens, tokenizer.eos_ids, compression=compression, on_tokens=stops_at_fence(tokenizer, len(rows)))
+        result = generate(model, [prompts[i] for i in rows], config.max_new_tokens, eos_ids=tokenizer.eos_ids, compression=compression, on_tokens=stops_at_fence(tokenizer, len(rows)))
         seconds += time.perf_counter() - tick
         log(f"    {cell_key(policy, budget)}: problems {first + 1}-{first + len(rows)} of {len(problems)}, {result.decode_steps} steps, {time.perf_counter() - tick:.0f} s")
         for i, tokens in zip(rows, result.tokens):

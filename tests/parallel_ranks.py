@@ -55,10 +55,10 @@ def run_case(case: Case, tp: TensorParallel | None, device: torch.device | None 
     with torch.inference_mode():
         if case.continuous:
             requests = [Request(prompt, case.new_tokens) for prompt in prompts]
-            return serve(model, requests, 2, frozenset(), sampling, compression, PageConfig(4), case.compile, case.cuda_graph).tokens
+            return serve(model, requests, 2, eos_ids=frozenset(), sampling=sampling, compression=compression, pages=PageConfig(4), compile=case.compile, cuda_graph=case.cuda_graph).tokens
         pages = PageConfig(4) if case.paged else None
         return generate(
-            model, prompts, case.new_tokens, frozenset(), sampling, case.compile, compression=compression, cuda_graph=case.cuda_graph, pages=pages
+            model, prompts, case.new_tokens, eos_ids=frozenset(), sampling=sampling, compile=case.compile, compression=compression, cuda_graph=case.cuda_graph, pages=pages
         ).tokens
 
 

@@ -263,7 +263,7 @@ def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, torch.device("cpu"))
     config = CompressionConfig(policy="beacon", budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
-    session = Session(model, 2, config.slots_needed(9, 10_000), frozenset(), compression=config)
+    session = Session(model, 2, config.slots_needed(9, 10_000), eos_ids=frozenset(), compression=config)
     session.prefill([[5] * 9, [7] * 6])
 
     def held() -> dict[str, tuple[int, int]]:
@@ -395,7 +395,7 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy="h2o", budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
-    session = Session(model, 1, 64, frozenset(), compression=config)
+    session = Session(model, 1, 64, eos_ids=frozenset(), compression=config)
     prompt = [5 + 3 * i for i in range(9)]
     fed = [session.prefill([prompt])[0]]
     for _ in range(20):
@@ -428,7 +428,7 @@ def test_h2o_counts_nothing_yet_for_the_tokens_a_chat_turn_appends(tiny_checkpoi
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy="h2o", budget=8, hysteresis=4, window=4)
-    session = Session(model, 1, 64, frozenset(), compression=config)
+    session = Session(model, 1, 64, eos_ids=frozenset(), compression=config)
     session.prefill([[5, 9, 13, 17]])
     while session.stats.compactions < 1:
         session.step()
@@ -494,7 +494,7 @@ def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_chec
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy=policy, budget=32, window=4, n_beacon=4, n_recent=4)
-    session = Session(model, 1, 120, frozenset(), compression=config)
+    session = Session(model, 1, 120, eos_ids=frozenset(), compression=config)
     if turn == "chat":
         session.prefill([[5, 9, 13, 17, 21]])
     first_queries, alive_after_the_layers = [], []

@@ -119,6 +119,6 @@ def test_graph_replay_of_continuous_batching_equals_eager(policy, tiny_checkpoin
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
     requests = [Request(p, n) for p, n in zip(prompts_of([5, 40, 12, 3, 27], seed=6), [10, 30, 5, 20, 8])]
     config = CompressionConfig(policy=policy, budget=6, hysteresis=3, window=3, n_beacon=4, n_recent=4)
-    eager = serve(model, requests, 2, frozenset(), compression=config, pages=PageConfig(block_size=4))
-    graphed = serve(model, requests, 2, frozenset(), compression=config, pages=PageConfig(block_size=4), cuda_graph=True)
+    eager = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4))
+    graphed = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4), cuda_graph=True)
     assert graphed.tokens == eager.tokens

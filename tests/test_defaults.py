@@ -127,7 +127,7 @@ def test_an_eager_run_never_imports_the_compiler(tiny_checkpoint):
     script = (
         "import sys, torch; from pathlib import Path; from weights.loader import load_model; from engine.generation import generate\n"
         f"model = load_model(Path({str(folder)!r}), torch.float32, torch.device('cpu'))\n"
-        "with torch.inference_mode(): generate(model, [[5, 6, 7]], 4, frozenset())\n"
+        "with torch.inference_mode(): generate(model, [[5, 6, 7]], 4, eos_ids=frozenset())\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)

@@ -110,7 +110,7 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
     config = small_config(tiny_folder)
     compression = recorder(config, batch) if policy == "none" else config.compression(policy, 10)
     state, compactions = run_from_start(model, batch, compression)
-    alone = generate(model, [batch.prompts[2]], batch.length, frozenset(), compression=compression if policy != "none" else CompressionConfig())
+    alone = generate(model, [batch.prompts[2]], batch.length, eos_ids=frozenset(), compression=compression if policy != "none" else CompressionConfig())
     assert state.predicted[2].tolist() == alone.tokens[0]
     assert len(compactions) == (0 if policy == "none" else alone.compression.compactions)
 

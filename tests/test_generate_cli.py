@@ -164,9 +164,9 @@ def test_greedy_with_repetition_penalty_equals_transformers(tiny_checkpoint):
     prompt = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
     model = load_model(folder, torch.float32, torch.device("cpu"))
-    got = run_generate(model, [prompt], 40, frozenset(), generate.SamplingConfig(repetition_penalty=1.8)).tokens[0]
+    got = run_generate(model, [prompt], 40, eos_ids=frozenset(), sampling=generate.SamplingConfig(repetition_penalty=1.8)).tokens[0]
     assert got == expected[0, len(prompt) :].tolist()
-    assert got != run_generate(model, [prompt], 40, frozenset()).tokens[0]  # the penalty changes this answer
+    assert got != run_generate(model, [prompt], 40, eos_ids=frozenset()).tokens[0]  # the penalty changes this answer
 
 
 def test_stop_string_ends_the_answer_before_it(chat_checkpoint, capsys):

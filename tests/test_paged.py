@@ -137,7 +137,7 @@ def test_every_kv_policy_on_pages_gives_the_tokens_of_the_contiguous_cache(compr
 def test_compaction_returns_exactly_the_blocks_left_empty(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     compression = CompressionConfig(**{**SMALL.__dict__, "policy": "beacon"})
-    session = Session(model, 2, 40, frozenset(), compression=compression, pages=PageConfig(block_size=2))
+    session = Session(model, 2, 40, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=2))
     cache = session.cache
     session.prefill(prompts_of([5, 8], seed=4))
     while True:
@@ -170,7 +170,7 @@ def test_continuous_batching_answers_each_prompt_as_it_alone_would_be_answered(c
     requests = [Request(p, n) for p, n in zip(prompts, [10, 30, 5, 20, 8, 25, 12])]
     alone = [generate(model, [r.prompt], r.max_new_tokens, eos_ids=frozenset(), compression=compression).tokens[0] for r in requests]
     finished = []
-    run = serve(model, requests, 3, frozenset(), compression=compression, pages=PageConfig(block_size=4), on_done=finished.append)
+    run = serve(model, requests, 3, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=4), on_done=finished.append)
     assert run.tokens == alone
     assert sorted(finished) == list(range(len(requests))) and finished != sorted(finished)  # they ended out of order
     assert run.most_rows == 3
@@ -181,7 +181,7 @@ def test_continuous_batching_with_the_compiled_step_and_a_small_pool(tiny_checkp
     model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
     requests = [Request(p, n) for p, n in zip(prompts_of([5, 40, 12, 3, 27], seed=7), [10, 30, 5, 20, 8])]
     alone = [generate(model, [r.prompt], r.max_new_tokens, eos_ids=frozenset()).tokens[0] for r in requests]
-    run = serve(model, requests, 4, frozenset(), pages=PageConfig(block_size=4, n_blocks=24), compile=True)
+    run = serve(model, requests, 4, eos_ids=frozenset(), pages=PageConfig(block_size=4, n_blocks=24), compile=True)
     assert run.tokens == alone
     assert run.most_rows < 4 and run.kv_peak_bytes <= run.kv_cache_bytes
 
@@ -192,7 +192,7 @@ def test_continuous_batching_stops_at_eos_and_on_request(tiny_checkpoint):
     free = [generate(model, [p], 12, eos_ids=frozenset()).tokens[0] for p in prompts]
     eos = free[0][4]
     k = free[0].index(eos)
-    run = serve(model, [Request(p, 12) for p in prompts], 2, frozenset({eos}), on_token=lambda p, token: p == 2)
+    run = serve(model, [Request(p, 12) for p in prompts], 2, eos_ids=frozenset({eos}), on_token=lambda p, token: p == 2)
     assert run.tokens[0] == free[0][:k]
     assert run.tokens[2] == free[2][:1]  # stopped after its first token
     expected_1 = free[1][: free[1].index(eos)] if eos in free[1] else free[1]
@@ -201,7 +201,7 @@ def test_continuous_batching_stops_at_eos_and_on_request(tiny_checkpoint):
 
 def test_every_block_is_back_in_the_pool_after_rows_leave(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    session = Session(model, 3, 32, frozenset(), pages=PageConfig(block_size=4), continuous=True)
+    session = Session(model, 3, 32, eos_ids=frozenset(), pages=PageConfig(block_size=4), continuous=True)
     pool = len(session.cache.free)
     for row, prompt in enumerate(prompts_of([5, 17, 9], seed=9)):
         session.admit(row, prompt)
@@ -219,8 +219,8 @@ def test_bad_continuous_batches_get_clear_errors(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     requests = [Request(p, 8) for p in prompts_of([5, 9])]
     with pytest.raises(UserError, match="max-batch must be >= 1"):
-        serve(model, requests, 0, frozenset())
+        serve(model, requests, 0, eos_ids=frozenset())
     with pytest.raises(UserError, match="pool has 2"):
-        serve(model, requests, 2, frozenset(), pages=PageConfig(block_size=4, n_blocks=2))
+        serve(model, requests, 2, eos_ids=frozenset(), pages=PageConfig(block_size=4, n_blocks=2))
     with pytest.raises(UserError, match="at least one token"):
-        serve(model, [Request([], 8)], 2, frozenset())
+        serve(model, [Request([], 8)], 2, eos_ids=frozenset())

@@ -92,4 +92,4 @@ def test_the_paged_cache_and_continuous_batching_give_the_contiguous_engines_tok
                 assert generate(model, prompts, 48, eos_ids=frozenset(), compression=compression, pages=PageConfig()).tokens == contiguous
             else:
                 requests = [Request(p, 48) for p in prompts]
-                assert serve(model, requests, 2, frozenset(), compression=compression).tokens == contiguous
+                assert serve(model, requests, 2, eos_ids=frozenset(), compression=compression).tokens == contiguous
