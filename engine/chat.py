@@ -67,11 +67,11 @@ class Conversation:
         first = self.session.prefill([new_ids])
         self.fed += new_ids
         logits = self.session.last_logits[0]
-        answer = decode(self.session, first, max_new_tokens, on_tokens=on_tokens)[0][0]
+        decoded = decode(self.session, first, max_new_tokens, on_tokens=on_tokens)
+        answer = decoded.tokens[0]
         # The last sampled token is fed only by a next step: unless it was EOS, the answer's last
         # token is not in the cache yet, and the next turn starts with it.
-        ended_on_eos = self.session.tokens.tolist()[0] in self.session.eos_ids
-        self.pending = [] if ended_on_eos else answer[-1:]
+        self.pending = [] if decoded.ended_on_eos[0] else answer[-1:]
         self.fed += answer[: len(answer) - len(self.pending)]
         self.cache_text = full + self.tokenizer.decode(answer)
         self.messages = messages + [{"role": "assistant", "content": self.tokenizer.decode(answer)}]

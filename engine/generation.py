@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,21 @@ from models.transformer import Transformer
 # Called after every step with each row's new token (None for a row that has finished); it
 # returns the rows that must stop now (a stop string appeared in their text), or None.
 OnTokens = Callable[[list[int | None]], Iterable[int] | None]
+
+
+class Sampled(NamedTuple):
+    """What a prefill or a step hands the host, from one read of the device: each row's new token,
+    and whether the row has finished (its token is EOS, now or at an earlier step, or the host
+    stopped it). End of sequence is detected there, on the device, and nowhere else."""
+
+    tokens: list[int]
+    finished: list[bool]
+
+
+class Decoded(NamedTuple):
+    tokens: list[list[int]]  # per row, the generated ids, EOS excluded
+    steps: int
+    ended_on_eos: list[bool]  # per row: its last sampled token was EOS (not a stop string or the token limit)
 
 
 @dataclass
@@ -90,7 +106,7 @@ class Session:
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
-        self.model, self.sampling, self.eos_ids = model, sampling, eos_ids
+        self.model, self.sampling = model, sampling
         self.cache: KVCache | PagedKVCache
         if pages is None and not continuous:
             self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
@@ -117,20 +133,31 @@ class Session:
         self._guards_checked = False
         self.compile_s = 0.0  # the first compiled step's time: compiling, or loading the compiled code from inductor's cache
 
-    def prefill(self, prompts: list[list[int]]) -> list[int]:
+    def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""
-        if self.seen is not None:
-            self.seen |= seen_tokens(prompts, self.seen.shape[1], self.seen.device)
         self._reserve([held + len(p) for held, p in zip(self.lengths, prompts)])
-        logits = prefill(self.model, self.cache, prompts, compression=self.manager)
-        self.last_logits = logits  # [B, V] at each prompt's last token
-        self.tokens.copy_(sample(logits, self.sampling, self.seen))
-        self.finished.copy_(torch.isin(self.tokens, self.eos))
-        first = self.tokens.tolist()  # the host sync that ends prefill
+        self._prefill(slice(None), self.cache, prompts, self.manager)
+        first = self._sampled()  # the host sync that ends prefill
         self._lengths_changed()  # a KV policy may have compressed the prompts
         return first
 
-    def step(self) -> list[int]:
+    def _prefill(self, rows: slice, cache: KVCache | PagedKVCache, prompts: list[list[int]], manager: CompressionManager | None) -> None:
+        """Prefill the rows' prompts into `cache` (the session's, or one row's view of it) and sample each row's first token."""
+        seen = None if self.seen is None else self.seen[rows]
+        if seen is not None:
+            seen |= seen_tokens(prompts, seen.shape[1], seen.device)
+        logits = prefill(self.model, cache, prompts, compression=manager)
+        self.last_logits = logits  # [B, V] at each prompt's last token
+        first = sample(logits, self.sampling, seen)  # [B]
+        self.tokens[rows] = first
+        self.finished[rows] = torch.isin(first, self.eos)
+
+    def _sampled(self) -> Sampled:
+        both = torch.cat([self.tokens, self.finished.to(self.tokens.dtype)]).tolist()  # one read of both
+        batch = self.tokens.shape[0]
+        return Sampled(both[:batch], [bool(f) for f in both[batch:]])
+
+    def step(self) -> Sampled:
         """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
         if self._step is None:
             self._step = self._build_step()
@@ -153,10 +180,11 @@ class Session:
                     self._set_length(row, int(self.cache.length[row]))
         elif self.manager is not None and self.manager.after_step():
             self._lengths_changed()
-        return self.tokens.tolist()
+        return self._sampled()
 
-    def admit(self, row: int, prompt: list[int]) -> int:
-        """Continuous batching, between steps: prefill a prompt into an idle row; returns its first token."""
+    def admit(self, row: int, prompt: list[int]) -> tuple[int, bool]:
+        """Continuous batching, between steps: prefill a prompt into an idle row; returns its first
+        token, and whether that ends it (EOS)."""
         cache = self.cache
         assert isinstance(cache, PagedKVCache) and not self.joined[row], "admit needs an idle row of a continuous session"
         cache.reserve(row, len(prompt))
@@ -164,23 +192,19 @@ class Session:
         if isinstance(self.manager, PerRowManagers):
             manager = self.manager.rows[row]
             manager.reset()
-        seen = None
-        if self.seen is not None:
-            self.seen[row] = seen_tokens([prompt], self.seen.shape[1], self.seen.device)[0]
-            seen = self.seen[row : row + 1]
-        logits = prefill(self.model, cache.row(row), [prompt], compression=manager)
-        first = sample(logits, self.sampling, seen)  # [1]
-        self.tokens[row] = first[0]
-        self.finished[row] = torch.isin(first, self.eos)[0]
+        self._prefill(slice(row, row + 1), cache.row(row), [prompt], manager)
         self.idle[row] = False
         self.joined[row] = True
         self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
-        return int(first[0])
+        first = self._sampled()
+        return first.tokens[row], first.finished[row]
 
     def release(self, row: int) -> None:
         """Continuous batching, between steps: the row's prompt is done; its blocks go back to the pool."""
         assert isinstance(self.cache, PagedKVCache)
         self.cache.release(row)
+        if self.seen is not None:
+            self.seen[row] = False
         self.finished[row] = True
         self.idle[row] = True
         self.joined[row] = False
@@ -246,27 +270,22 @@ class Session:
         return self.manager.stats if self.manager is not None else None
 
 
-def decode(session: Session, first: list[int], max_new_tokens: int, *, on_tokens: OnTokens | None = None) -> tuple[list[list[int]], int]:
+def decode(session: Session, first: Sampled, max_new_tokens: int, *, on_tokens: OnTokens | None = None) -> Decoded:
     """The token loop: from the tokens prefill sampled, step until every row has finished or
-    max_new_tokens are out. Returns each row's tokens (EOS excluded) and the steps taken."""
-    new_tokens = first
-    generated: list[list[int]] = [[] for _ in new_tokens]
-    done = [False] * len(new_tokens)
+    max_new_tokens are out."""
+    sampled = first
+    generated: list[list[int]] = [[] for _ in first.tokens]
     steps = 0
     while True:
-        emitted: list[int | None] = []
-        for row, token in enumerate(new_tokens):
-            done[row] = done[row] or token in session.eos_ids
-            emitted.append(None if done[row] else token)
-            if not done[row]:
+        emitted = [None if finished else token for token, finished in zip(sampled.tokens, sampled.finished)]
+        for row, token in enumerate(emitted):
+            if token is not None:
                 generated[row].append(token)
-        stopped = list(on_tokens(emitted) or []) if on_tokens is not None else []
-        for row in stopped:
-            done[row] = True
+        stopped = set(on_tokens(emitted) or []) if on_tokens is not None else set()
         session.stop_rows(stopped)
-        if all(done) or steps + 1 == max_new_tokens:
-            return generated, steps
-        new_tokens = session.step()
+        if all(finished or row in stopped for row, finished in enumerate(sampled.finished)) or steps + 1 == max_new_tokens:
+            return Decoded(generated, steps, sampled.finished)
+        sampled = session.step()
         steps += 1
 
 
@@ -303,7 +322,9 @@ def generate(
     prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    tokens, steps = decode(session, first, max_new_tokens, on_tokens=on_tokens)
+    decoded = decode(session, first, max_new_tokens, on_tokens=on_tokens)
     decode_s = time.perf_counter() - start
     cache = session.cache
-    return GenerationResult(tokens, sum(map(len, prompts)), prefill_s, decode_s, steps, cache.nbytes, cache.peak_bytes, session.stats, session.compile_s)
+    return GenerationResult(
+        decoded.tokens, sum(map(len, prompts)), prefill_s, decode_s, decoded.steps, cache.nbytes, cache.peak_bytes, session.stats, session.compile_s,
+    )

@@ -93,10 +93,9 @@ def serve(
         owed = sum(need[p] - len(cache.rows[row]) for row, p in enumerate(running) if p is not None)
         return len(cache.free) - owed
 
-    def emit(row: int, token: int) -> None:
-        """A row's new token: kept, or the end of its prompt, which then leaves the row."""
+    def emit(row: int, token: int, ended: bool) -> None:
+        """A row's new token: kept, or (ended: EOS) the end of its prompt, which then leaves the row."""
         p = running[row]
-        ended = token in eos_ids
         if not ended:
             answers[p].append(token)
             stop = on_token(p, token) if on_token is not None else False
@@ -112,15 +111,15 @@ def serve(
         for row in range(max_batch):
             if running[row] is None and waiting and need[waiting[0]] <= claimable():
                 running[row] = waiting.popleft()
-                emit(row, session.admit(row, requests[running[row]].prompt))
+                emit(row, *session.admit(row, requests[running[row]].prompt))
         most_rows = max(most_rows, sum(p is not None for p in running))
         if all(p is None for p in running):
             continue  # every prompt admitted this round ended with its first token
-        tokens = session.step()
+        sampled = session.step()
         steps += 1
         for row, p in enumerate(running):
             if p is not None:
-                emit(row, tokens[row])
+                emit(row, sampled.tokens[row], sampled.finished[row])
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return BatchRun(answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)

@@ -397,9 +397,9 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
     config = CompressionConfig(policy="h2o", budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
     session = Session(model, 1, 64, eos_ids=frozenset(), compression=config)
     prompt = [5 + 3 * i for i in range(9)]
-    fed = [session.prefill([prompt])[0]]
+    fed = [session.prefill([prompt]).tokens[0]]
     for _ in range(20):
-        fed.append(session.step()[0])
+        fed.append(session.step().tokens[0])
     sequence = prompt + fed[:-1]  # the last sampled token was never fed
     n = len(sequence)
 
