@@ -157,7 +157,8 @@ class CompressionManager:
             keep = []
             for layer in range(L):
                 context = row.keys(layer, P)  # [1, H_kv, P, D]
-                inputs = ScoringInputs(
+                keep.append(self._best(
+                    config.prefix_budget,
                     beacons=rotate_to_position(self.queries[layer, b : b + 1, :, : self.n_beacon], self.rope_cos[now], self.rope_sin[now]),
                     recent=apply_rope(self.prompt_tail[layer, b : b + 1], self.rope_cos[issued_at], self.rope_sin[issued_at]),
                     keys=context[:, :, PREFIX_SINKS : PREFIX_SINKS + n_candidates],
@@ -165,11 +166,7 @@ class CompressionManager:
                     visible=(torch.arange(P, device=cache.k.device) <= issued_at[0, :, None]).expand(1, H_kv, R, P),
                     in_use=torch.ones(1, P, dtype=torch.bool, device=cache.k.device),
                     candidate_slots=candidate_slots,
-                    config=config,
-                    generator=self.generator,
-                    kv_heads=self.kv_heads,
-                )
-                keep.append(SCORERS[config.policy](inputs).topk(config.prefix_budget, dim=-1).indices.sort(dim=-1).values)
+                ))
             sinks = torch.tensor([PREFIX_SINKS], device=cache.k.device)
             row.compact([self.prefix_positions[:, b : b + 1]], sinks, torch.stack(keep), n_candidates, config.prefix_tail)
             cache.prompt_length[b] = cache.length[b] = PREFIX_SINKS + config.prefix_budget + config.prefix_tail
@@ -258,7 +255,8 @@ class CompressionManager:
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
             received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
-            inputs = ScoringInputs(
+            keep.append(self._best(
+                config.budget,
                 received=received,
                 beacons=rotate_to_position(self.queries[layer, :, :, : self.n_beacon], beacon_cos, beacon_sin),
                 recent=apply_rope(recent[layer], recent_cos, recent_sin),
@@ -267,11 +265,7 @@ class CompressionManager:
                 visible=visible,
                 in_use=in_use,
                 candidate_slots=candidate_slots,
-                config=config,
-                generator=self.generator,
-                kv_heads=self.kv_heads,
-            )
-            keep.append(SCORERS[config.policy](inputs).topk(config.budget, dim=-1).indices.sort(dim=-1).values)
+            ))
         moved = [positions] + ([self.received] if self.received is not None else [])
         cache.compact(moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
         kept_slots = cache.prompt_length.view(1, B, 1, 1) + torch.arange(config.budget, device=cache.k.device)
@@ -282,6 +276,40 @@ class CompressionManager:
         self._sync()
         self.stats.compactions += 1
         self.stats.compaction_s.append(time.perf_counter() - start)
+
+    def _best(self, count: int, **layer_inputs: torch.Tensor | None) -> torch.Tensor:
+        """One layer's `count` best candidates by the policy's scores, as ascending offsets
+        [B, H_kv, count]; `layer_inputs` are the ScoringInputs of that layer, the rest is the manager's."""
+        inputs = ScoringInputs(**layer_inputs, config=self.config, generator=self.generator, kv_heads=self.kv_heads)
+        return SCORERS[self.config.policy](inputs).topk(count, dim=-1).indices.sort(dim=-1).values
+
+    def snapshot(self) -> dict[str, torch.Tensor | int | None]:
+        """What a run resumed from this point needs of the manager, by name (the evaluation keeps
+        it beside its snapshots of the full cache); `resume` reads it back."""
+        return {
+            "queries": self.queries, "issued_at": self.issued_at, "query_slot": self.query_slot, "received": self.received,
+            "manager_steps": self.steps, "generated": self.generated,
+        }
+
+    def resume(self, saved: dict[str, torch.Tensor | int | None]) -> None:
+        """Continue where the manager that took `saved` (a snapshot) was, on a cache in the same
+        state. A policy without beacons may resume from BeaconKV's [beacons | ring of recent
+        queries]: its own buffer is that ring alone, at the same offsets. H2O's sums come along
+        when the snapshot has them; H2O cannot resume from one without."""
+        source = saved["queries"]
+        skip = source.shape[3] - self.queries.shape[3]  # the beacons the snapshot holds and this manager does not
+        if skip < 0 or (skip and self.n_beacon):
+            raise ValueError("the snapshot's query buffer does not match the policy's")
+        self.queries.copy_(source[:, :, :, skip:])
+        self.issued_at.copy_(saved["issued_at"])
+        self.query_slot.copy_(saved["query_slot"] - skip)
+        if saved["received"] is not None:
+            if self.received is None:
+                self.track_received_attention()
+            self.received.copy_(saved["received"][..., : self.received.shape[3]])
+        elif self.received is not None:
+            raise ValueError("the snapshot holds no accumulated attention, which H2O resumes from")
+        self.steps, self.generated = saved["manager_steps"], saved["generated"]
 
     def slot_positions(self) -> torch.Tensor:
         """Absolute position held by every slot, [L, B, H_kv, S] (slots past `length` hold garbage).

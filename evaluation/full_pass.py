@@ -74,8 +74,7 @@ def _state_to_dict(state: State) -> dict:
     return {
         "k": cache.k[:, :, :, :used].clone(), "v": cache.v[:, :, :, :used].clone(),
         "length": cache.length, "position": cache.position, "prompt_length": cache.prompt_length,
-        "queries": manager.queries, "issued_at": manager.issued_at, "query_slot": manager.query_slot, "received": manager.received,
-        "manager_steps": manager.steps, "generated": manager.generated,
+        **manager.snapshot(),
         "tokens": state.tokens, "step": state.step, "predicted": state.predicted, "logprob": state.logprob, "after_step_due": state.after_step_due,
     }  # fmt: skip
 
@@ -88,11 +87,6 @@ def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfi
     for counter in ("length", "position", "prompt_length"):
         getattr(cache, counter).copy_(saved[counter])
     manager = CompressionManager(recorder, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    manager.queries.copy_(saved["queries"])
-    manager.issued_at.copy_(saved["issued_at"])
-    manager.query_slot.copy_(saved["query_slot"])
-    if with_h2o:  # the sums are tracked only for H2O: every policy resumed from them would carry them
-        manager.track_received_attention()
-        manager.received.copy_(saved["received"])
-    manager.steps, manager.generated = saved["manager_steps"], saved["generated"]
+    # The sums are tracked only for H2O: every policy resumed from them would carry them.
+    manager.resume(saved if with_h2o else saved | {"received": None})
     return State(cache, manager, saved["tokens"], saved["step"], saved["predicted"], saved["logprob"], saved["after_step_due"])

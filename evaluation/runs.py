@@ -141,22 +141,9 @@ def _going_on(state: State, cache: KVCache, manager: CompressionManager) -> Stat
 
 
 def _copy_manager(source: CompressionManager, compression: CompressionConfig, cache: KVCache) -> CompressionManager:
-    """A manager for `compression` in the state `source` is in. The recorder's buffer is
-    [beacons | ring of recent queries]; a baseline's is the same ring alone, at the same offsets."""
+    """A manager for `compression` in the state `source` is in."""
     manager = CompressionManager(compression, cache, source.queries.shape[2], source.rope_cos, source.rope_sin)
-    skip = source.n_beacon - manager.n_beacon
-    if skip not in (0, source.n_beacon) or manager.queries.shape[3] != source.queries.shape[3] - skip:
-        raise ValueError("the snapshot's query buffer does not match the policy's")
-    manager.queries.copy_(source.queries[:, :, :, skip:])
-    manager.issued_at.copy_(source.issued_at)
-    if source.received is not None:
-        if manager.received is None:
-            manager.track_received_attention()
-        manager.received.copy_(source.received[..., : manager.received.shape[3]])
-    elif manager.received is not None:
-        raise ValueError("the snapshot holds no accumulated attention, which H2O resumes from")
-    manager.query_slot.copy_(source.query_slot - skip)
-    manager.steps, manager.generated = source.steps, source.generated
+    manager.resume(source.snapshot())
     return manager
 
 

@@ -14,7 +14,7 @@ from compression.manager import CompressionManager
 from compression.policies import SCORERS
 from compression.scoring import aggregate, attention_logits
 from engine.decode import decode_step, prefill
-from engine.generation import generate
+from engine.generation import Session, generate
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
@@ -570,3 +570,30 @@ def test_a_long_prompt_keeps_its_sinks_its_tail_and_its_best_scored_middle(tiny_
     assert manager.stats.compactions > 0 and torch.equal(cache.k[:, 0, :, :15], prefix[:, 0]) and torch.equal(cache.k[:, 1, :, :14], prefix[:, 1, :, :14])
     with pytest.raises(UserError, match="--kv-prefix-budget needs a policy that scores a prompt"):
         CompressionConfig(policy="h2o", prefix_budget=8)
+
+
+def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_checkpoint):
+    """The evaluation resumes every policy from the full cache's recorder (BeaconKV's buffer,
+    [beacons | ring]) through the manager's own snapshot and resume: a policy without beacons takes
+    the ring alone at the same offsets, H2O the attention sums too."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    recorder = CompressionConfig(policy="beacon", budget=64, window=4, n_beacon=4, n_recent=6)
+    session = Session(model, 2, recorder.slots_needed(9, 40), eos_ids=frozenset(), compression=recorder)
+    session.manager.track_received_attention()
+    session.prefill([[5] * 9, [7] * 6])
+    for _ in range(9):
+        session.step()
+    source = session.manager
+    saved = source.snapshot()
+    for policy, beacons in (("beacon", 4), ("h2o", 0), ("streaming", 0)):
+        config = CompressionConfig(policy=policy, budget=64, window=4, n_beacon=4, n_recent=6)
+        twin = CompressionManager(config, source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+        twin.resume(saved)
+        skip = 4 - beacons
+        assert torch.equal(twin.queries, source.queries[:, :, :, skip:])
+        assert torch.equal(twin.issued_at, source.issued_at) and int(twin.query_slot) == int(source.query_slot) - skip
+        assert torch.equal(twin.received, source.received)
+        assert (twin.steps, twin.generated) == (source.steps, source.generated) == (9, 9)
+    h2o = CompressionManager(CompressionConfig(policy="h2o", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    with pytest.raises(ValueError, match="accumulated attention"):
+        h2o.resume(saved | {"received": None})
