@@ -112,8 +112,8 @@ def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> 
 def compile_pays(device: torch.device, tokens: int | None) -> bool:
     """Whether generate.py compiles the decode step when neither --compile nor --no-compile is
     given: on CPU, for a chat (many answers on one session) or a run that may make
-    COMPILE_FROM_TOKENS tokens or more. Compiling costs about 2.5 s on a warm cache and 13 s on a
-    cold one, and saves 7-18 ms a token (docs/performance.md); on CUDA the CUDA graph does its job."""
+    COMPILE_FROM_TOKENS tokens or more, past which the milliseconds saved per token repay the
+    compile's seconds (docs/performance.md); on CUDA the CUDA graph does its job."""
     return device.type == "cpu" and (tokens is None or tokens >= COMPILE_FROM_TOKENS)
 
 

@@ -14,33 +14,16 @@ ops per token against a few hundred in the blocks. Prefill stays eager too: its 
 every prompt, and its products are large enough that compiling saves little.
 """
 
+import time
+from collections.abc import Callable
+
 import torch
 
-from engine.cpu import simd_bits
+from engine.cpu import inductor_options
 from models.kv_layers import LayerKV, slots_read
 from models.transformer import BlockGroups, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
-
-
-def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, object]:
-    """On CPU the compiled code's host side is C++ (inductor's cpp_wrapper), which calls a block's
-    kernels without Python in between; under tensor parallelism it stays Python, because
-    cpp_wrapper cannot call the collectives (torch 2.13).
-
-    The generated code's vector width is that of torch's own kernels. Inductor follows
-    ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: code compiled under
-    the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width given as an option
-    is part of the cache key."""
-    if device.type != "cpu":
-        return {}
-    # vec_isa_ok: take the vector instructions the CPU reports (torch reads its flags) instead of
-    # compiling and running a probe program per instruction set in every new process (1.3 s).
-    options: dict[str, object] = {"cpp_wrapper": not tensor_parallel, "cpp.vec_isa_ok": True}
-    bits = simd_bits()
-    if bits is not None:
-        options["cpp.simdlen"] = bits
-    return options
 
 
 def block_structure(block: torch.nn.Module) -> tuple:
@@ -67,8 +50,7 @@ def group_structures(structures: list[tuple], size: int) -> set[tuple]:
 
 def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
     """The model's blocks as compiled groups, for `model(..., groups=...)`, and whether one graph
-    serves every group. Only then may the steps after the first skip torch.compile's guards: with
-    several graphs the guards choose between them (torch 2.13 fails a step that skips them)."""
+    serves every group (CompiledStep)."""
     compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
     structures = [block_structure(block) for block in model.layers]
     size = group_size(structures)
@@ -82,6 +64,27 @@ def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
         return compiled(blocks, x, inputs, kvs)
 
     return BlockGroups(run, size), len(group_structures(structures, size)) == 1
+
+
+class CompiledStep:
+    """A decode step that runs compiled blocks. The first call is timed (it compiles, or loads
+    inductor's cached code) and checks torch.compile's guards against these very objects. When
+    one graph serves every group of blocks, later calls skip that check: nothing the guards read
+    changes between steps, only tensor values. With several graphs the guards choose between
+    them, and stay (torch 2.13 fails a step that skips them)."""
+
+    def __init__(self, advance: Callable[..., object], unguarded: bool):
+        self.advance, self.unguarded = advance, unguarded
+        self.first_s: float | None = None
+
+    def __call__(self, **kwargs) -> None:
+        if self.first_s is None:
+            start = time.perf_counter()
+            self.advance(**kwargs)
+            self.first_s = time.perf_counter() - start
+            return
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded):
+            self.advance(**kwargs)
 
 
 def mark_slots_dynamic(mask: torch.Tensor | None, kvs: list[LayerKV]) -> None:

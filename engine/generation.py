@@ -15,7 +15,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, PerRowManagers
-from engine.compile import compile_blocks
+from engine.compile import CompiledStep, compile_blocks
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
@@ -130,8 +130,7 @@ class Session:
         self.idle = torch.tensor([continuous] * batch, device=device)  # [B] bool, the rows holding none
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
-        self._guards_checked = False
-        self.compile_s = 0.0  # the first compiled step's time: compiling, or loading the compiled code from inductor's cache
+        self._compiled: CompiledStep | None = None
 
     def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""
@@ -249,21 +248,14 @@ class Session:
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:
-            return partial(self._timed_first, advance, unguarded=one_graph)
+            self._compiled = CompiledStep(advance, unguarded=one_graph)
+            return self._compiled
         return advance
 
-    def _timed_first(self, advance: Callable[..., object], unguarded: bool, **kwargs) -> None:
-        """The first compiled step is timed (compiling, or loading inductor's cached code), and
-        checks the guards against these very objects. When one graph serves every group of blocks,
-        later steps skip that check: nothing the guards read changes between steps, only tensor values."""
-        if not self._guards_checked:
-            self._guards_checked = True
-            start = time.perf_counter()
-            advance(**kwargs)
-            self.compile_s = time.perf_counter() - start
-            return
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=unguarded):
-            advance(**kwargs)
+    @property
+    def compile_s(self) -> float:
+        """The first compiled step's time: compiling, or loading the compiled code from inductor's cache (0 when eager)."""
+        return 0.0 if self._compiled is None or self._compiled.first_s is None else self._compiled.first_s
 
     @property
     def stats(self) -> CompressionStats | None:

@@ -141,7 +141,7 @@ class Transformer(nn.Module):
         first, end = (0, config.vocab_size) if parallel is None else parallel.vocab_rows(config.vocab_size)
         vocab_rows = end - first
         # Handed its table, the embedding skips its random init: every weight comes from the
-        # checkpoint, and that init imports torch's compiler (1.1 s of a process's start).
+        # checkpoint, and that init imports torch's compiler, a second of a process's start (docs/performance.md).
         self.embed = nn.Embedding(vocab_rows, config.hidden_size, _weight=torch.empty(vocab_rows, config.hidden_size))
         self.layers = nn.ModuleList(Block(config, parallel) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -29,8 +29,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # each linear weight is stored as int8 values beside float32 `.scales` (and `.zeros` for int4).
 QUANTIZED_KEY = "weight_quantization"
 QUANT_SUFFIXES = (".scales", ".zeros")
-# The LM head and the embedding are int8 in both modes: against bfloat16 that costs at most 0.4% of
-# perplexity and decodes 21-30% faster; int4 would cost 2-5% more (docs/performance.md).
+# The LM head and the embedding are int8 in both modes: against bfloat16 little perplexity for a
+# faster step, where int4 would cost several times as much (docs/performance.md).
 LM_HEAD_MODE = "int8"
 LINEARS = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
 
@@ -319,8 +319,8 @@ def load_model(
 
 def _return_freed_memory() -> None:
     """Hand the float copies quantizing freed back to the system. glibc keeps freed heap memory for
-    reuse, so without this the resident set stays at the loading peak: Qwen2.5-Coder-0.5B int4 held
-    1629 MiB after loading, 792 MiB after this (docs/performance.md)."""
+    reuse, so without this the resident set stays at the loading peak, about twice what the
+    quantized model holds (docs/performance.md)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator does as it does
