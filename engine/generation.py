@@ -84,10 +84,8 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
 class Session:
     """One cache and the decode step bound to it, for `batch` rows of up to `n_slots` slots.
 
-    Static (the default), every row starts with one prefill and runs to the end. Continuous
-    (a paged cache), rows start idle; a prompt joins an idle row between steps (`admit`) and
-    leaves it when done (`release`); an idle row still runs through the fixed-shape step, into
-    the scratch block, its counters put back to zero after each step."""
+    Every row starts with one prefill and runs to the end (a chat appends each turn with another
+    prefill); rows that join and leave between steps are engine/scheduler.py's ContinuousSession."""
 
     def __init__(
         self,
@@ -101,36 +99,36 @@ class Session:
         compile: bool = False,
         cuda_graph: bool = False,
         pages: PageConfig | None = None,
-        continuous: bool = False,
     ):
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
         self.model, self.sampling = model, sampling
         self.cache: KVCache | PagedKVCache
-        if pages is None and not continuous:
+        if pages is None:
             self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
         else:
-            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages or PageConfig())
+            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages)
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
-            managers = PerRowManagers if continuous else CompressionManager
-            self.manager = managers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
+            self.manager = self._new_manager(compression)
         self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
         # What the decode step reads and overwrites: the same tensors for the whole session, so
         # that a compiled step or a CUDA graph keeps pointing at them.
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] the next tokens to feed
-        self.finished = torch.full((batch,), continuous, dtype=torch.bool, device=device)  # [B]
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
         self.seen = None  # [B, V] bool, the tokens the repetition penalty applies to
         if sampling.penalises_repetition:
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
         self.compile, self.cuda_graph = compile, cuda_graph
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
-        self.joined = [not continuous] * batch  # host: the rows holding a prompt
-        self.idle = torch.tensor([continuous] * batch, device=device)  # [B] bool, the rows holding none
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self._compiled: CompiledStep | None = None
+
+    def _new_manager(self, compression: CompressionConfig) -> CompressionManager | PerRowManagers:
+        model = self.model
+        return CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
 
     def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""
@@ -160,7 +158,8 @@ class Session:
         """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
         if self._step is None:
             self._step = self._build_step()
-        self._reserve([n + 1 if joined else 0 for n, joined in zip(self.lengths, self.joined)])
+        grown = [n + 1 if running else 0 for n, running in zip(self.lengths, self.running())]
+        self._reserve(grown)
         # The step attends over the slots that can be in use, a bound the host knows: eager any size
         # costs nothing, and the compiled blocks take it as a variable (engine/compile.py). A CUDA
         # graph reads the whole buffer: one shape, one capture. A compressed cache is small already,
@@ -169,51 +168,22 @@ class Session:
             self._step(n_read=max(self.lengths) + 1)
         else:
             self._step()
-        self.lengths = [n + 1 if joined else 0 for n, joined in zip(self.lengths, self.joined)]
-        if not all(self.joined):
-            for counter in (self.cache.length, self.cache.position):
-                counter.masked_fill_(self.idle, 0)
-        if isinstance(self.manager, PerRowManagers):
-            for row, manager in enumerate(self.manager.rows):
-                if self.joined[row] and manager.after_step():
-                    self._set_length(row, int(self.cache.length[row]))
-        elif self.manager is not None and self.manager.after_step():
-            self._lengths_changed()
+        self.lengths = grown
+        self._after_step()
         return self._sampled()
 
-    def admit(self, row: int, prompt: list[int]) -> tuple[int, bool]:
-        """Continuous batching, between steps: prefill a prompt into an idle row; returns its first
-        token, and whether that ends it (EOS)."""
-        cache = self.cache
-        assert isinstance(cache, PagedKVCache) and not self.joined[row], "admit needs an idle row of a continuous session"
-        cache.reserve(row, len(prompt))
-        manager = None
-        if isinstance(self.manager, PerRowManagers):
-            manager = self.manager.rows[row]
-            manager.reset()
-        self._prefill(slice(row, row + 1), cache.row(row), [prompt], manager)
-        self.idle[row] = False
-        self.joined[row] = True
-        self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
-        first = self._sampled()
-        return first.tokens[row], first.finished[row]
+    def running(self) -> list[bool]:
+        """The rows that hold a sequence: every one, in a session of static rows."""
+        return [True] * len(self.lengths)
 
-    def release(self, row: int) -> None:
-        """Continuous batching, between steps: the row's prompt is done; its blocks go back to the pool."""
-        assert isinstance(self.cache, PagedKVCache)
-        self.cache.release(row)
-        if self.seen is not None:
-            self.seen[row] = False
-        self.finished[row] = True
-        self.idle[row] = True
-        self.joined[row] = False
-        self.lengths[row] = 0
+    def _after_step(self) -> None:
+        if self.manager is not None and self.manager.after_step():
+            self._lengths_changed()
 
     def _reserve(self, n_slots: list[int]) -> None:
-        """A paged cache: give each row the blocks its next n_slots slots need."""
-        if isinstance(self.cache, PagedKVCache):
-            for row, n in enumerate(n_slots):
-                self.cache.reserve(row, n)
+        """Make room for each row's next n_slots slots (a paged cache hands out blocks)."""
+        for row, n in enumerate(n_slots):
+            self.cache.reserve(row, n)
 
     def _lengths_changed(self) -> None:
         """After a compaction: read the rows' lengths back; a paged cache frees the emptied blocks at once."""
@@ -222,8 +192,7 @@ class Session:
 
     def _set_length(self, row: int, n_slots: int) -> None:
         self.lengths[row] = n_slots
-        if isinstance(self.cache, PagedKVCache):
-            self.cache.shrink(row, n_slots)
+        self.cache.shrink(row, n_slots)
 
     def reset(self) -> None:
         """Empty the cache for a new conversation, keeping every buffer (and a captured graph)."""

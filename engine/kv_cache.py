@@ -66,6 +66,14 @@ class KVCache:
         caller's own per-slot buffers [L, B, H_kv, S, ...] (compression.compaction.compact_in_place)."""
         compact_in_place([self.k, self.v, *buffers], prompt_length, keep, n_candidates, window)
 
+    def reserve(self, row: int, n_slots: int) -> None:
+        """Every slot is allocated from the start: a row of n_slots needs nothing more, if it fits."""
+        if n_slots > self.n_slots:
+            raise ValueError(f"a row needs {n_slots} slots but the cache's rows hold {self.n_slots}")
+
+    def shrink(self, row: int, n_slots: int) -> None:
+        """Nothing to return: the contiguous cache holds every slot for the whole run."""
+
     def row(self, b: int) -> "KVCache":
         """Row b alone, as a cache of one row: views of this one's buffers and counters."""
         rows = slice(b, b + 1)

@@ -14,7 +14,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from compression.config import CompressionConfig
+from compression.manager import PerRowManagers
 from engine.generation import Session, check_lengths
 from engine.paged_cache import PageConfig, PagedKVCache
 from engine.sampling import SamplingConfig
@@ -25,6 +28,62 @@ from models.transformer import Transformer
 # when that prompt must stop now (a stop string appeared in its text).
 OnToken = Callable[[int, int], bool]
 OnDone = Callable[[int], None]  # called with a prompt's index when its answer is complete
+
+
+class ContinuousSession(Session):
+    """A session whose rows start idle, on a paged cache: a prompt joins an idle row between steps
+    (`admit`) and leaves it when done (`release`). An idle row still runs through the fixed-shape
+    step, into the scratch block, its counters put back to zero after each step. With a KV policy
+    each row has its own manager and schedule, since rows join at different steps."""
+
+    cache: PagedKVCache
+
+    def __init__(self, model: Transformer, batch: int, n_slots: int, *, pages: PageConfig, **options):
+        super().__init__(model, batch, n_slots, pages=pages, **options)
+        self.finished.fill_(True)
+        self.joined = [False] * batch  # host: the rows holding a prompt
+        self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none
+
+    def _new_manager(self, compression: CompressionConfig) -> PerRowManagers:
+        model = self.model
+        return PerRowManagers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
+
+    def running(self) -> list[bool]:
+        return list(self.joined)
+
+    def admit(self, row: int, prompt: list[int]) -> tuple[int, bool]:
+        """Between steps: prefill a prompt into an idle row; returns its first token, and whether
+        that ends it (EOS)."""
+        assert not self.joined[row], "admit needs an idle row"
+        self.cache.reserve(row, len(prompt))
+        manager = None
+        if self.manager is not None:
+            manager = self.manager.rows[row]
+            manager.reset()
+        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt], manager)
+        self.idle[row] = False
+        self.joined[row] = True
+        self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
+        first = self._sampled()
+        return first.tokens[row], first.finished[row]
+
+    def release(self, row: int) -> None:
+        """Between steps: the row's prompt is done; its blocks go back to the pool."""
+        self.cache.release(row)
+        if self.seen is not None:
+            self.seen[row] = False
+        self.finished[row] = True
+        self.idle[row] = True
+        self.joined[row] = False
+        self.lengths[row] = 0
+
+    def _after_step(self) -> None:
+        for counter in (self.cache.length, self.cache.position):
+            counter.masked_fill_(self.idle, 0)
+        if self.manager is not None:
+            for row, manager in enumerate(self.manager.rows):
+                if self.joined[row] and manager.after_step():
+                    self._set_length(row, int(self.cache.length[row]))
 
 
 @dataclass(frozen=True)
@@ -69,12 +128,10 @@ def serve(
     for request in requests:
         check_lengths(model, [request.prompt], request.max_new_tokens)
     worst = [compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests]  # slots a prompt may hold at once
-    session = Session(
+    session = ContinuousSession(
         model, max_batch, max(worst), eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
-        continuous=True,
     )
     cache = session.cache
-    assert isinstance(cache, PagedKVCache)
     need = [-(-n // cache.block_size) for n in worst]  # blocks
     pool = len(cache.free)
     if max(need) > pool:

@@ -9,7 +9,7 @@ from compression.config import POLICIES, CompressionConfig
 from engine.generation import Session, generate
 from engine.kv_cache import KVCache
 from engine.paged_cache import SCRATCH_BLOCK, PageConfig, PagedKVCache
-from engine.scheduler import Request, serve
+from engine.scheduler import ContinuousSession, Request, serve
 from errors import UserError
 from models.config import ModelConfig
 from models.pages import gather_pages, read_pages
@@ -201,7 +201,7 @@ def test_continuous_batching_stops_at_eos_and_on_request(tiny_checkpoint):
 
 def test_every_block_is_back_in_the_pool_after_rows_leave(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    session = Session(model, 3, 32, eos_ids=frozenset(), pages=PageConfig(block_size=4), continuous=True)
+    session = ContinuousSession(model, 3, 32, eos_ids=frozenset(), pages=PageConfig(block_size=4))
     pool = len(session.cache.free)
     for row, prompt in enumerate(prompts_of([5, 17, 9], seed=9)):
         session.admit(row, prompt)
