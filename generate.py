@@ -241,14 +241,14 @@ def answer(
     streaming = len(prompts) == 1
     notice = CompileNotice(args.compile)
 
-    def on_tokens(tokens: list[int | None]) -> list[int]:
+    def on_tokens(news: dict[int, int | None]) -> list[int]:
         notice()
-        for text, token in zip(texts, tokens):
+        for row, token in news.items():
             if token is not None:
-                piece = text.push(token)
+                piece = texts[row].push(token)
                 if streaming:
                     print(piece, end="", flush=True)
-        return [row for row, text in enumerate(texts) if text.stops.stopped]
+        return [row for row in news if texts[row].stops.stopped]
 
     result = generate(
         model, prompts, args.max_new_tokens, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compile=args.compile, on_tokens=on_tokens,
@@ -275,23 +275,24 @@ def answer_continuously(
 
     notice = CompileNotice(args.compile)
 
-    def on_token(prompt: int, token: int) -> bool:
-        notice()
-        texts[prompt].push(token)
-        return texts[prompt].stops.stopped
-
-    def on_done(prompt: int) -> None:
+    def on_tokens(news: dict[int, int | None]) -> list[int]:
         nonlocal printed
-        texts[prompt].flush()
-        done[prompt] = True
-        while printed < len(prompts) and done[printed]:
-            print(("\n" if printed else "") + texts[printed].text, flush=True)
-            printed += 1
+        notice()
+        for prompt, token in news.items():
+            if token is not None:
+                texts[prompt].push(token)
+                continue
+            texts[prompt].flush()  # its answer is complete
+            done[prompt] = True
+            while printed < len(prompts) and done[printed]:
+                print(("\n" if printed else "") + texts[printed].text, flush=True)
+                printed += 1
+        return [prompt for prompt, token in news.items() if token is not None and texts[prompt].stops.stopped]
 
     requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
     run = serve(
         model, requests, args.max_batch, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compression=compression, pages=pages,
-        compile=args.compile, cuda_graph=cuda_graph, on_token=on_token, on_done=on_done,
+        compile=args.compile, cuda_graph=cuda_graph, on_tokens=on_tokens,
     )
     print(batch_summary(run), file=sys.stderr)
 
@@ -340,10 +341,10 @@ def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, session: Session
         text = AnswerText(tokenizer, args.stop)
         interrupted = []
 
-        def on_tokens(tokens: list[int | None]) -> list[int]:
+        def on_tokens(news: dict[int, int | None]) -> list[int]:
             notice()
-            if tokens[0] is not None:
-                print(text.push(tokens[0]), end="", flush=True)
+            if news.get(0) is not None:
+                print(text.push(news[0]), end="", flush=True)
             return [0] if text.stops.stopped or interrupted else []
 
         previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))

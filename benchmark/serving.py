@@ -92,10 +92,10 @@ def load_engine_static(w: ServingWorkload) -> Loaded:
         limits = [r.max_new_tokens for r in batch]
         made = [0] * len(batch)
 
-        def stop_at_limit(tokens: list[int | None]) -> list[int]:
-            for row, token in enumerate(tokens):
+        def stop_at_limit(news: dict[int, int | None]) -> list[int]:
+            for row, token in news.items():
                 made[row] += token is not None
-            return [row for row in range(len(batch)) if made[row] >= limits[row]]
+            return [row for row in news if made[row] >= limits[row]]
 
         result = generate(
             model, [r.prompt for r in batch], max(limits), eos_ids=frozenset(), compile=w.compile, on_tokens=stop_at_limit,

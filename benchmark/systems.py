@@ -71,7 +71,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
     def measure() -> Trial:
         first_token_at: list[float] = []
 
-        def on_tokens(_: list[int | None]) -> None:
+        def on_tokens(_: dict[int, int | None]) -> None:
             if not first_token_at:
                 first_token_at.append(time.perf_counter())
 

@@ -50,7 +50,7 @@ def main() -> None:
     marks: list[tuple[int, float, float]] = []  # (tokens, seconds, resident MiB)
     count = [0]
 
-    def on_tokens(_: list[int | None]) -> None:
+    def on_tokens(_: dict[int, int | None]) -> None:
         count[0] += 1
         if count[0] % args.every == 0:
             marks.append((count[0], time.perf_counter(), resident_mib()))

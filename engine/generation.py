@@ -24,9 +24,11 @@ from engine.sampling import SamplingConfig, sample, seen_tokens
 from errors import UserError
 from models.transformer import Transformer
 
-# Called after every step with each row's new token (None for a row that has finished); it
-# returns the rows that must stop now (a stop string appeared in their text), or None.
-OnTokens = Callable[[list[int | None]], Iterable[int] | None]
+# The one callback of a generation, after a prefill and after every step, with the sequences that
+# have news: {index: its new token}, and {index: None} once, when it has ended (EOS, a stop, its
+# token limit). The index is a row of the batch (generate) or a prompt (serve). It returns the
+# sequences that must stop now (a stop string appeared in their text), or None.
+OnTokens = Callable[[dict[int, int | None]], Iterable[int] | None]
 
 
 class Sampled(NamedTuple):
@@ -41,7 +43,7 @@ class Sampled(NamedTuple):
 class Decoded(NamedTuple):
     tokens: list[list[int]]  # per row, the generated ids, EOS excluded
     steps: int
-    ended_on_eos: list[bool]  # per row: its last sampled token was EOS (not a stop string or the token limit)
+    ended_on_eos: list[bool]  # per row, at the last step: its token was EOS (not a stop string, not the token limit)
 
 
 @dataclass
@@ -234,17 +236,26 @@ class Session:
 def decode(session: Session, first: Sampled, max_new_tokens: int, *, on_tokens: OnTokens | None = None) -> Decoded:
     """The token loop: from the tokens prefill sampled, step until every row has finished or
     max_new_tokens are out."""
-    sampled = first
-    generated: list[list[int]] = [[] for _ in first.tokens]
-    steps = 0
+    sampled, steps = first, 0
+    rows = range(len(first.tokens))
+    generated: list[list[int]] = [[] for _ in rows]
+    told_end = [False for _ in rows]  # on_tokens has heard that the row ended
     while True:
-        emitted = [None if finished else token for token, finished in zip(sampled.tokens, sampled.finished)]
-        for row, token in enumerate(emitted):
-            if token is not None:
-                generated[row].append(token)
-        stopped = set(on_tokens(emitted) or []) if on_tokens is not None else set()
+        news: dict[int, int | None] = {}
+        for row in rows:
+            if told_end[row]:
+                continue
+            if sampled.finished[row]:  # on EOS, or stopped by the host at the last call
+                news[row], told_end[row] = None, True
+            else:
+                generated[row].append(sampled.tokens[row])
+                news[row] = sampled.tokens[row]
+        stopped = set(on_tokens(news) or []) if on_tokens is not None else set()
         session.stop_rows(stopped)
-        if all(finished or row in stopped for row, finished in enumerate(sampled.finished)) or steps + 1 == max_new_tokens:
+        if all(told or row in stopped for row, told in zip(rows, told_end)) or steps + 1 == max_new_tokens:
+            ends = {row: None for row in rows if not told_end[row]}
+            if on_tokens is not None and ends:
+                on_tokens(ends)
             return Decoded(generated, steps, sampled.finished)
         sampled = session.step()
         steps += 1

@@ -11,24 +11,17 @@ stop) returns all its blocks at once. Answers come back in prompt order.
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from compression.config import CompressionConfig
 from compression.manager import PerRowManagers
-from engine.generation import Session, check_lengths
+from engine.generation import OnTokens, Session, check_lengths
 from engine.paged_cache import PageConfig, PagedKVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
 from models.transformer import Transformer
-
-# Called with (prompt index, token) for each new token of a prompt, EOS excluded; returns True
-# when that prompt must stop now (a stop string appeared in its text).
-OnToken = Callable[[int, int], bool]
-OnDone = Callable[[int], None]  # called with a prompt's index when its answer is complete
-
 
 class ContinuousSession(Session):
     """A session whose rows start idle, on a paged cache: a prompt joins an idle row between steps
@@ -118,8 +111,7 @@ def serve(
     pages: PageConfig = PageConfig(),
     compile: bool = False,
     cuda_graph: bool = False,
-    on_token: OnToken | None = None,
-    on_done: OnDone | None = None,
+    on_tokens: OnTokens | None = None,
 ) -> BatchRun:
     """Answer every request, at most max_batch at once. pages.n_blocks sizes the pool (default:
     max_batch rows of the longest request's worst case, the memory static batching would take)."""
@@ -150,33 +142,50 @@ def serve(
         owed = sum(need[p] - len(cache.rows[row]) for row, p in enumerate(running) if p is not None)
         return len(cache.free) - owed
 
-    def emit(row: int, token: int, ended: bool) -> None:
-        """A row's new token: kept, or (ended: EOS) the end of its prompt, which then leaves the row."""
+    def leave(row: int) -> None:
+        session.release(row)
+        running[row] = None
+
+    def deliver(news: dict[int, int | None]) -> None:
+        """Hand a round's tokens and ends to on_tokens; a prompt it stops, or that made its last
+        token, leaves its row, and on_tokens hears of its end."""
+        stopped = set(on_tokens(news) or []) if on_tokens is not None and news else set()
+        ends = {}
+        for row, p in enumerate(running):
+            if p is not None and (p in stopped or len(answers[p]) == requests[p].max_new_tokens):
+                ends[p] = None
+                leave(row)
+        if on_tokens is not None and ends:
+            on_tokens(ends)
+
+    def take(row: int, token: int, ended: bool, news: dict[int, int | None]) -> None:
+        """A row's new token, or (ended: EOS) the end of its prompt, which leaves the row at once."""
         p = running[row]
-        if not ended:
-            answers[p].append(token)
-            stop = on_token(p, token) if on_token is not None else False
-            ended = stop or len(answers[p]) == requests[p].max_new_tokens
         if ended:
-            session.release(row)
-            running[row] = None
-            if on_done is not None:
-                on_done(p)
+            news[p] = None
+            leave(row)
+        else:
+            answers[p].append(token)
+            news[p] = token
 
     start = time.perf_counter()
     while waiting or any(p is not None for p in running):
+        news: dict[int, int | None] = {}
         for row in range(max_batch):
             if running[row] is None and waiting and need[waiting[0]] <= claimable():
                 running[row] = waiting.popleft()
-                emit(row, *session.admit(row, requests[running[row]].prompt))
+                take(row, *session.admit(row, requests[running[row]].prompt), news)
+        deliver(news)
         most_rows = max(most_rows, sum(p is not None for p in running))
         if all(p is None for p in running):
             continue  # every prompt admitted this round ended with its first token
         sampled = session.step()
         steps += 1
+        news = {}
         for row, p in enumerate(running):
             if p is not None:
-                emit(row, sampled.tokens[row], sampled.finished[row])
+                take(row, sampled.tokens[row], sampled.finished[row], news)
+        deliver(news)
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return BatchRun(answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)

@@ -89,13 +89,13 @@ def cell_key(policy: str, budget: int | None) -> str:
     return "none" if budget is None else f"{policy}/{budget}"
 
 
-def stops_at_fence(tokenizer: Tokenizer, rows: int) -> Callable[[list[int | None]], list[int]]:
+def stops_at_fence(tokenizer: Tokenizer, rows: int) -> Callable[[dict[int, int | None]], list[int]]:
     """on_tokens for generate: the rows whose answer has just written the closing fence."""
     recent: list[list[int]] = [[] for _ in range(rows)]
 
-    def on_tokens(tokens: list[int | None]) -> list[int]:
+    def on_tokens(news: dict[int, int | None]) -> list[int]:
         stopped = []
-        for row, token in enumerate(tokens):
+        for row, token in news.items():
             if token is not None:
                 recent[row] = recent[row][-7:] + [token]
                 if STOP in tokenizer.decode(recent[row]):

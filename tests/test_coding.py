@@ -36,7 +36,7 @@ def test_an_answer_stops_at_its_closing_fence_not_at_its_opening_one(tiny_folder
     on_tokens = stops_at_fence(tokenizer, rows=2)
     stopped_at = None
     for i, token in enumerate(tokens):
-        if on_tokens([token, None]) == [0]:
+        if on_tokens({0: token}) == [0]:
             stopped_at = i
             break
     assert stopped_at is not None

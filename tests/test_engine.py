@@ -31,11 +31,13 @@ def test_a_row_that_hits_eos_stops_while_the_others_continue(tiny_checkpoint):
     free = generate(model, prompts, 20, eos_ids=frozenset()).tokens
     # Declare as EOS a token that row 0 produces at step k (first time) and row 1 never does.
     k, eos = next((i, t) for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
-    seen: list[list[int | None]] = []
+    seen: list[dict[int, int | None]] = []
     result = generate(model, prompts, 20, eos_ids=frozenset({eos}), on_tokens=seen.append)
     assert result.tokens[0] == free[0][:k]
     assert result.tokens[1] == free[1]
-    assert [step[0] for step in seen[k:]] == [None] * (len(seen) - k)
+    assert [step.get(0) for step in seen[:k]] == free[0][:k] and seen[k][0] is None  # its end, told once
+    assert all(0 not in step for step in seen[k + 1 :]) and [step[1] for step in seen[:20]] == free[1]
+    assert seen[-1] == {1: None}  # the other row's end, at the token limit
 
 
 def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):

@@ -170,7 +170,10 @@ def test_continuous_batching_answers_each_prompt_as_it_alone_would_be_answered(c
     requests = [Request(p, n) for p, n in zip(prompts, [10, 30, 5, 20, 8, 25, 12])]
     alone = [generate(model, [r.prompt], r.max_new_tokens, eos_ids=frozenset(), compression=compression).tokens[0] for r in requests]
     finished = []
-    run = serve(model, requests, 3, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=4), on_done=finished.append)
+    def on_tokens(news):
+        finished.extend(p for p, token in news.items() if token is None)
+
+    run = serve(model, requests, 3, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=4), on_tokens=on_tokens)
     assert run.tokens == alone
     assert sorted(finished) == list(range(len(requests))) and finished != sorted(finished)  # they ended out of order
     assert run.most_rows == 3
@@ -192,7 +195,7 @@ def test_continuous_batching_stops_at_eos_and_on_request(tiny_checkpoint):
     free = [generate(model, [p], 12, eos_ids=frozenset()).tokens[0] for p in prompts]
     eos = free[0][4]
     k = free[0].index(eos)
-    run = serve(model, [Request(p, 12) for p in prompts], 2, eos_ids=frozenset({eos}), on_token=lambda p, token: p == 2)
+    run = serve(model, [Request(p, 12) for p in prompts], 2, eos_ids=frozenset({eos}), on_tokens=lambda news: [p for p in news if p == 2])
     assert run.tokens[0] == free[0][:k]
     assert run.tokens[2] == free[2][:1]  # stopped after its first token
     expected_1 = free[1][: free[1].index(eos)] if eos in free[1] else free[1]
