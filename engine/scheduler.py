@@ -132,60 +132,76 @@ def serve(
             "give the pool more blocks, or lower --max-new-tokens"
         )
 
+    rows = RunningPrompts(session, requests, need, on_tokens)
     waiting = deque(range(len(requests)))
-    running: list[int | None] = [None] * max_batch  # the prompt each row holds
-    answers: list[list[int]] = [[] for _ in requests]
     steps = most_rows = 0
-
-    def claimable() -> int:
-        """Free blocks that no running prompt may still claim."""
-        owed = sum(need[p] - len(cache.rows[row]) for row, p in enumerate(running) if p is not None)
-        return len(cache.free) - owed
-
-    def leave(row: int) -> None:
-        session.release(row)
-        running[row] = None
-
-    def deliver(news: dict[int, int | None]) -> None:
-        """Hand a round's tokens and ends to on_tokens; a prompt it stops, or that made its last
-        token, leaves its row, and on_tokens hears of its end."""
-        stopped = set(on_tokens(news) or []) if on_tokens is not None and news else set()
-        ends = {}
-        for row, p in enumerate(running):
-            if p is not None and (p in stopped or len(answers[p]) == requests[p].max_new_tokens):
-                ends[p] = None
-                leave(row)
-        if on_tokens is not None and ends:
-            on_tokens(ends)
-
-    def take(row: int, token: int, ended: bool, news: dict[int, int | None]) -> None:
-        """A row's new token, or (ended: EOS) the end of its prompt, which leaves the row at once."""
-        p = running[row]
-        if ended:
-            news[p] = None
-            leave(row)
-        else:
-            answers[p].append(token)
-            news[p] = token
-
     start = time.perf_counter()
-    while waiting or any(p is not None for p in running):
+    while waiting or rows.busy():
         news: dict[int, int | None] = {}
-        for row in range(max_batch):
-            if running[row] is None and waiting and need[waiting[0]] <= claimable():
-                running[row] = waiting.popleft()
-                take(row, *session.admit(row, requests[running[row]].prompt), news)
-        deliver(news)
-        most_rows = max(most_rows, sum(p is not None for p in running))
-        if all(p is None for p in running):
+        for row in rows.idle():
+            if waiting and need[waiting[0]] <= rows.claimable():
+                rows.admit(row, waiting.popleft(), news)
+        rows.deliver(news)
+        most_rows = max(most_rows, len(rows.busy()))
+        if not rows.busy():
             continue  # every prompt admitted this round ended with its first token
         sampled = session.step()
         steps += 1
         news = {}
-        for row, p in enumerate(running):
-            if p is not None:
-                take(row, sampled.tokens[row], sampled.finished[row], news)
-        deliver(news)
+        for row in rows.busy():
+            rows.take(row, sampled.tokens[row], sampled.finished[row], news)
+        rows.deliver(news)
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    return BatchRun(answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)
+    return BatchRun(rows.answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)
+
+
+class RunningPrompts:
+    """Which prompt each row of a continuous batch holds, and every prompt's answer so far."""
+
+    def __init__(self, session: ContinuousSession, requests: list[Request], need: list[int], on_tokens: OnTokens | None):
+        self.session, self.requests, self.need, self.on_tokens = session, requests, need, on_tokens
+        self.prompts: list[int | None] = [None] * len(session.lengths)  # per row
+        self.answers: list[list[int]] = [[] for _ in requests]
+
+    def busy(self) -> list[int]:
+        return [row for row, p in enumerate(self.prompts) if p is not None]
+
+    def idle(self) -> list[int]:
+        return [row for row, p in enumerate(self.prompts) if p is None]
+
+    def claimable(self) -> int:
+        """Free blocks that no running prompt may still claim."""
+        cache = self.session.cache
+        owed = sum(self.need[p] - len(cache.rows[row]) for row, p in enumerate(self.prompts) if p is not None)
+        return len(cache.free) - owed
+
+    def admit(self, row: int, p: int, news: dict[int, int | None]) -> None:
+        self.prompts[row] = p
+        self.take(row, *self.session.admit(row, self.requests[p].prompt), news)
+
+    def take(self, row: int, token: int, ended: bool, news: dict[int, int | None]) -> None:
+        """A row's new token into this round's news, or (ended: EOS) the end of its prompt, which leaves the row at once."""
+        p = self.prompts[row]
+        if ended:
+            news[p] = None
+            self._leave(row)
+        else:
+            self.answers[p].append(token)
+            news[p] = token
+
+    def deliver(self, news: dict[int, int | None]) -> None:
+        """Hand a round's news to on_tokens; a prompt it stops, or that made its last token, leaves
+        its row, and on_tokens hears of its end."""
+        stopped = set(self.on_tokens(news) or []) if self.on_tokens is not None and news else set()
+        ends: dict[int, int | None] = {}
+        for row, p in enumerate(self.prompts):
+            if p is not None and (p in stopped or len(self.answers[p]) == self.requests[p].max_new_tokens):
+                ends[p] = None
+                self._leave(row)
+        if self.on_tokens is not None and ends:
+            self.on_tokens(ends)
+
+    def _leave(self, row: int) -> None:
+        self.session.release(row)
+        self.prompts[row] = None
