@@ -16,6 +16,9 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from errors import UserError, run_command
+from weights.gguf_metadata import open_gguf
+
 Q8_0 = GGMLQuantizationType.Q8_0
 BLOCK = 32  # inputs per Q8_0 block
 
@@ -31,14 +34,11 @@ def copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
             writer.add_key_value(field.name, field.contents(), kind)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmark.q8_0_gguf", description=__doc__.splitlines()[0])
-    p.add_argument("source", type=Path)
-    p.add_argument("out", type=Path)
-    args = p.parse_args(argv)
-    reader = GGUFReader(args.source)
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(args.out, arch)
+def requantize(source: Path, out: Path) -> None:
+    reader = open_gguf(source)
+    if not out.parent.is_dir():
+        raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    writer = GGUFWriter(out, reader.fields["general.architecture"].contents())
     copy_metadata(reader, writer)
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
@@ -52,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    print(args.out)
-    return 0
+    print(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmark.q8_0_gguf", description=__doc__.splitlines()[0])
+    p.add_argument("source", type=Path)
+    p.add_argument("out", type=Path)
+    args = p.parse_args(argv)
+    return run_command(lambda: requantize(args.source, args.out))
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ class Session:
     @property
     def compile_s(self) -> float:
         """The first compiled step's time: compiling, or loading the compiled code from inductor's cache (0 when eager)."""
-        return 0.0 if self._compiled is None or self._compiled.first_s is None else self._compiled.first_s
+        return (self._compiled.first_s or 0.0) if self._compiled is not None else 0.0
 
     @property
     def stats(self) -> CompressionStats | None:

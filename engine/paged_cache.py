@@ -21,7 +21,7 @@ from errors import UserError
 from models.config import ModelConfig
 from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
 from models.kv_layers import PagedLayer
-from models.pages import gather_pages, page_address, read_pages
+from models.pages import Pages, gather_pages, page_address, read_pages
 
 SCRATCH_BLOCK = 0
 
@@ -111,16 +111,20 @@ class PagedKVCache:
         """Each layer's pool, with where the first n_slots slots of every row lie (None: all
         n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
         compiled step does not specialise on it."""
-        pages = read_pages(self.block_table, self.n_slots if n_slots is None else n_slots, self.k.shape[2], self.block_size)
+        pages = self._pages(self.n_slots if n_slots is None else n_slots)
         return [PagedLayer(k, v, pages) for k, v in zip(self.k.unbind(0), self.v.unbind(0))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
-        return gather_pages(self.k[layer], read_pages(self.block_table, n_slots, self.k.shape[2], self.block_size))
+        return gather_pages(self.k[layer], self._pages(n_slots))
 
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
-        return gather_pages(self.k, read_pages(self.block_table, self.n_slots, self.k.shape[2], self.block_size))
+        return gather_pages(self.k, self._pages(self.n_slots))
+
+    def _pages(self, n_slots: int) -> Pages:
+        """Where the first n_slots slots of every row lie in the pool."""
+        return read_pages(self.block_table, n_slots, self.k.shape[2], self.block_size)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Compact each row into the front of its own blocks, and the caller's per-slot buffers

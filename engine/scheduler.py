@@ -71,8 +71,9 @@ class ContinuousSession(Session):
         self.lengths[row] = 0
 
     def _after_step(self) -> None:
-        for counter in (self.cache.length, self.cache.position):
-            counter.masked_fill_(self.idle, 0)
+        if not all(self.joined):  # an idle row's counters go back to zero; with none, nothing to do
+            for counter in (self.cache.length, self.cache.position):
+                counter.masked_fill_(self.idle, 0)
         if self.manager is not None:
             for row, manager in enumerate(self.manager.rows):
                 if self.joined[row] and manager.after_step():

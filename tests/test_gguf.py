@@ -301,3 +301,10 @@ def test_a_q8_0_copy_holds_every_matrix_to_within_half_a_step(synthetic, tmp_pat
     embedding = next(t for t in copy.tensors if t.name == "token_embd.weight")
     expected = dequantize(embedding.data, embedding.tensor_type).reshape(model.config.vocab_size, -1)
     assert torch.equal(imported.model.embed_tokens.weight, torch.from_numpy(expected))  # the import reads the Q8_0 values as they are
+
+
+def test_a_q8_0_copy_of_a_missing_file_is_one_line_of_error(tmp_path, capsys):
+    from benchmark import q8_0_gguf
+
+    assert q8_0_gguf.main([str(tmp_path / "absent.gguf"), str(tmp_path / "out.gguf")]) == 2
+    assert capsys.readouterr().err == f"error: GGUF file {tmp_path / 'absent.gguf'} does not exist\n"
