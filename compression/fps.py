@@ -30,3 +30,17 @@ def _similarity_to(unit: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Cosine similarity [..., N] of every point to the point `index` [...] names."""
     newest = unit.gather(-2, index[..., None, None].expand(*unit.shape[:-2], 1, unit.shape[-1]))  # [..., 1, D]
     return (unit * newest).sum(-1)
+
+
+def farthest_queries(candidates: torch.Tensor, k: int, n_kv_heads: int | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The k farthest points among each head's queries, candidates [..., H, N, D] -> [..., H, k, D].
+
+    With n_kv_heads, one FPS per KV group on its heads' queries side by side: every head of a
+    group takes the same steps. valid [..., 1 or H, N] as farthest_point_sampling's."""
+    if n_kv_heads is None:
+        picks = farthest_point_sampling(candidates, k, valid)  # [..., H, k]
+    else:
+        H = candidates.shape[-3]
+        grouped = candidates.unflatten(-3, (n_kv_heads, H // n_kv_heads)).transpose(-3, -2).flatten(-2)  # [..., H_kv, N, G x D]
+        picks = farthest_point_sampling(grouped, k, valid).repeat_interleave(H // n_kv_heads, dim=-2)
+    return candidates.gather(-2, picks[..., None].expand(*picks.shape, candidates.shape[-1]))

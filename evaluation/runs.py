@@ -142,7 +142,7 @@ def _going_on(state: State, cache: KVCache, manager: CompressionManager) -> Stat
 
 def _copy_manager(source: CompressionManager, compression: CompressionConfig, cache: KVCache) -> CompressionManager:
     """A manager for `compression` in the state `source` is in."""
-    manager = CompressionManager(compression, cache, source.queries.shape[2], source.rope_cos, source.rope_sin)
+    manager = CompressionManager(compression, cache, source.buffer.queries.shape[2], source.rope_cos, source.rope_sin)
     manager.resume(source.snapshot())
     return manager
 
@@ -254,5 +254,5 @@ def run_all(
             state = resume(model, snapshots[first], compression, batch.length)
         seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
-        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.queries.nbytes))
+        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.buffer.queries.nbytes))
         log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - first} steps, {m.stats.compactions} compactions, {seconds:.0f} s")

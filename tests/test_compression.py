@@ -462,7 +462,7 @@ def test_seeding_layer_by_layer_picks_the_farthest_prompt_queries_of_each_layer(
         queries = queries_of(model, prompt)[:, 0]  # [L, H, T, D]
         picks = farthest_point_sampling(queries, 5)  # [L, H, 5]
         expected = queries.gather(2, picks[..., None].expand(*picks.shape, queries.shape[-1]))
-        assert torch.allclose(manager.queries[:, row, :, :5], expected, atol=1e-5)
+        assert torch.allclose(manager.buffer.beacons[:, row], expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("turn_length", [3, 9])
@@ -477,7 +477,7 @@ def test_a_chat_turn_puts_its_last_queries_in_the_recent_ring(turn_length, tiny_
     prefill(model, cache, [first], compression=manager)
     prefill(model, cache, [turn], compression=manager)
     kept = min(turn_length, 5)
-    recent, issued_at = manager.recent_queries()
+    recent, issued_at = manager.buffer.recent()
     expected = queries_of(model, first + turn)[:, :, :, -kept:]
     assert torch.allclose(recent, expected, atol=1e-5)
     assert issued_at[0].tolist() == list(range(len(first) + turn_length - kept, len(first) + turn_length))
@@ -590,10 +590,10 @@ def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_chec
         twin = CompressionManager(config, source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
         twin.resume(saved)
         skip = 4 - beacons
-        assert torch.equal(twin.queries, source.queries[:, :, :, skip:])
-        assert torch.equal(twin.issued_at, source.issued_at) and int(twin.query_slot) == int(source.query_slot) - skip
+        assert torch.equal(twin.buffer.queries, source.buffer.queries[:, :, :, skip:])
+        assert torch.equal(twin.buffer.issued_at, source.buffer.issued_at) and int(twin.buffer.slot) == int(source.buffer.slot) - skip
         assert torch.equal(twin.received, source.received)
-        assert (twin.steps, twin.generated) == (source.steps, source.generated) == (9, 9)
+        assert (twin.buffer.recorded, twin.generated) == (source.buffer.recorded, source.generated) == (9, 9)
     h2o = CompressionManager(CompressionConfig(policy="h2o", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     with pytest.raises(ValueError, match="accumulated attention"):
         h2o.resume(saved | {"received": None})

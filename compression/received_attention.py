@@ -1,7 +1,6 @@
-"""What a KV policy records inside the decode step, with static shapes and no host sync: each
-step's queries into a ring buffer (beside the position each was issued at), and for H2O the
-attention every slot receives. The manager (compression/manager.py) owns the buffers and reads
-them between steps."""
+"""H2O's statistic, recorded inside the decode step with static shapes and no host sync: the
+attention every slot receives. The manager (compression/manager.py) owns the buffer, moves it with
+the slots at each compaction and reads it between steps (the queries: compression/query_buffer.py)."""
 
 import math
 
@@ -9,17 +8,6 @@ import torch
 
 from compression.cache import Cache
 from models.rope import apply_rope
-
-
-def record_query(
-    buffer: torch.Tensor, issued_at: torch.Tensor, slot: torch.Tensor, queries: torch.Tensor, positions: torch.Tensor, n_beacon: int, n_recent: int
-) -> None:
-    """Inside the decode step: write queries [L, B, H, 1, D] at buffer slot `slot` ([1], on the
-    device) and the position each row issued them at ([B]) beside them, then advance the slot
-    through the ring of recent slots that follows the beacons."""
-    buffer.index_copy_(3, slot, queries.to(buffer.dtype))
-    issued_at.index_copy_(1, slot - n_beacon, positions[:, None])
-    slot.copy_(n_beacon + (slot - n_beacon + 1) % n_recent)
 
 
 def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
