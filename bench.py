@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> None:
         prompts = random_prompts(config.vocab_size, batch, length)
         w = Workload(
             checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, args.ceiling, compression_config(args), quant, args.group_size, gguf,
-            peer_checkpoint=peer_checkpoint(args, checkpoint, compare),
+            peer_checkpoint=peer_checkpoint(args, checkpoint, compare), kv_dtype=args.kv_dtype,
         )
         reports.append(measure(w, config.model_type, machine, compare, pages))
         print_report(reports[-1])
@@ -307,7 +307,7 @@ def run_workload(args: argparse.Namespace) -> None:
     pages = page_config(args, device, True)
     w = ServingWorkload(
         checkpoint, dtype, device, requests, max_batch, trials, compile_step, compression_config(args), pages, quant, args.group_size,
-        peer_checkpoint=peer_checkpoint(args, checkpoint, compare),
+        peer_checkpoint=peer_checkpoint(args, checkpoint, compare), kv_dtype=args.kv_dtype,
     )
     machine = describe_machine(device)
     figures_by_system = measure_serving(w, compare)
@@ -336,7 +336,8 @@ def run_ranks(args: argparse.Namespace) -> None:
         dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=batch)
         compile_step = device.type == "cpu" if args.compile is None else args.compile
         prompts = random_prompts(config.vocab_size, batch, length)
-        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), quant, args.group_size, parallel=tp)
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), quant, args.group_size, parallel=tp,
+                     kv_dtype=args.kv_dtype)
         ranks = measure_ranks(w)
         if ranks is not None:
             print_ranks(w, ranks, torch.get_num_threads())

@@ -14,6 +14,7 @@ from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.paged_cache import PageConfig, default_block_size
 from errors import UserError
 from models import parallel
+from models.kv_quant import KV_BITS, KV_DTYPES
 from models.linear import NATIVE_CPU_MATMUL
 from models.parallel import TensorParallel
 from models.quantized import GROUP_SIZES, QUANT_MODES
@@ -72,6 +73,10 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-prefix-budget", type=int, default=d.prefix_budget, help="a long prompt keeps its first 4 and last --kv-prefix-tail tokens and this many of those between, the best the policy scores (0: the whole prompt)")
     g.add_argument("--kv-prefix-tail", type=int, default=d.prefix_tail, help="with --kv-prefix-budget: the prompt's last tokens (the question), kept whole")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
+    g.add_argument(
+        "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS], default="auto",
+        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32, or int8/int4 codes with a float16 step and minimum per 32 channels of each token (models/kv_quant.py)",
+    )
 
 
 def compression_config(args: argparse.Namespace) -> CompressionConfig:

@@ -223,7 +223,7 @@ def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.de
         if prompts is None:
             session = Session(
                 model, 1, chat_context(args, model), eos_ids=tokenizer.eos_ids, sampling=sampling, compression=compression, compile=args.compile,
-                cuda_graph=cuda_graph, pages=pages,
+                cuda_graph=cuda_graph, pages=pages, kv_dtype=args.kv_dtype,
             )
             chat(args, model, tokenizer, session)
         elif args.max_batch is not None:
@@ -252,7 +252,7 @@ def answer(
 
     result = generate(
         model, prompts, args.max_new_tokens, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compile=args.compile, on_tokens=on_tokens,
-        compression=compression, cuda_graph=cuda_graph, pages=pages,
+        compression=compression, cuda_graph=cuda_graph, pages=pages, kv_dtype=args.kv_dtype,
     )
     endings = [text.flush() for text in texts]
     if streaming:
@@ -292,7 +292,7 @@ def answer_continuously(
     requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
     run = serve(
         model, requests, args.max_batch, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compression=compression, pages=pages,
-        compile=args.compile, cuda_graph=cuda_graph, on_tokens=on_tokens,
+        compile=args.compile, cuda_graph=cuda_graph, on_tokens=on_tokens, kv_dtype=args.kv_dtype,
     )
     print(batch_summary(run), file=sys.stderr)
 

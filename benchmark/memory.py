@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache import KVCache
+from models.kv_quant import kv_storage
 from models.transformer import Transformer
 
 
@@ -42,14 +44,16 @@ class DecodeTraffic:
         return self.bytes_per_step / self.batch
 
 
-def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: int) -> DecodeTraffic:
-    """The bytes read by the new_tokens - 1 decode steps that follow a prefill of prompt_len tokens."""
+def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: int, kv_dtype: str = "auto") -> DecodeTraffic:
+    """The bytes read by the new_tokens - 1 decode steps that follow a prefill of prompt_len tokens,
+    with the cache storing keys and values as kv_dtype says (models/kv_quant.py)."""
     config = model.config
     itemsize = model.norm.weight.element_size()  # the activations', which the KV cache and a looked-up row share
     # The LM head is read in full even when it is the embedding table; the table as an embedding
     # is only gathered from, one row per batch row.
     weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
-    kv_bytes_per_slot = 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
+    dtype, bits = kv_storage(kv_dtype, model.dtype)
+    kv_bytes_per_slot = KVCache.allocate(config, 1, 1, dtype, torch.device("meta"), bits=bits).nbytes  # codes and scales included
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
     # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)

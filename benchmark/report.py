@@ -81,6 +81,7 @@ class Report:
                 "group_size": w.group_size if w.quant == "int4" else None,
                 "gguf": None if w.gguf is None else str(w.gguf),
                 "kv_policy": asdict(w.compression),
+                "kv_dtype": w.kv_dtype,
             },
             "traffic": {
                 "bytes_per_token": self.traffic.bytes_per_token,
@@ -161,7 +162,7 @@ def describe(r: Report) -> str:
     return "\n".join([
         f"machine: {device} | torch {m.torch}, {m.threads} threads | read bandwidth {number(m.read_gb_per_s)} GB/s{busy}",
         f"model: {w.checkpoint.name} ({r.model_type}), {dtype_name(w.dtype)} on {w.device}{other_weights(w)}"
-        f"{', compiled decode step' if w.compile else ''} | batch {w.batch}, prompt {w.prompt_len}, "
+        f"{', compiled decode step' if w.compile else ''}{'' if w.kv_dtype == 'auto' else f', KV cache {w.kv_dtype}'} | batch {w.batch}, prompt {w.prompt_len}, "
         f"{w.new_tokens} new tokens | median of {w.trials} trials",
         f"bytes per decode token: {number(t.bytes_per_token / 1e6)} MB (weights {number(t.weight_bytes / 1e6)} MB per step, "
         f"KV {number(t.kv_bytes_per_slot * t.mean_slots / 1e6)} MB per row) | bandwidth roofline {number(r.ceiling_tok_s)} tok/s{matmul}",

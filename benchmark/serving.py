@@ -74,7 +74,7 @@ def load_engine_continuous(w: ServingWorkload) -> Loaded:
     def measure() -> ServingTrial:
         with torch.inference_mode():
             run = serve(model, w.requests, w.max_batch, eos_ids=frozenset(), compression=w.compression, pages=pages, compile=w.compile,
-                        cuda_graph=w.device.type == "cuda")
+                        cuda_graph=w.device.type == "cuda", kv_dtype=w.kv_dtype)
         synchronize(w.device)
         return ServingTrial(run.seconds, run.new_tokens, run.kv_peak_bytes, run.most_rows)
 
@@ -99,7 +99,7 @@ def load_engine_static(w: ServingWorkload) -> Loaded:
 
         result = generate(
             model, [r.prompt for r in batch], max(limits), eos_ids=frozenset(), compile=w.compile, on_tokens=stop_at_limit,
-            compression=w.compression, cuda_graph=w.device.type == "cuda", n_slots=w.row_slots,
+            compression=w.compression, cuda_graph=w.device.type == "cuda", n_slots=w.row_slots, kv_dtype=w.kv_dtype,
         )
         return result.new_tokens, result.kv_peak_bytes
 

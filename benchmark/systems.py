@@ -79,7 +79,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
         with torch.inference_mode():
             result = generate(
                 model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
-                compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages,
+                compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages, kv_dtype=w.kv_dtype,
             )
         stats.append((result.compression, result.decode_s))
         trial = Trial(first_token_at[0] - start, result.decode_tok_s, result.kv_cache_bytes)
@@ -91,7 +91,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
         ceiling = statistics.median(ceilings[1:]) if w.ceiling else None  # the warm-up's is left out, as its trial is
         last, decode_s = stats[-1]
         compression = None if last is None else CompressionCost.of(last, decode_s)
-        return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens), ceiling, compression)
+        return EngineExtras(decode_traffic(model, w.batch, w.prompt_len, w.new_tokens, w.kv_dtype), ceiling, compression)
 
     progress(f"{name}: warm-up run" + (", which compiles the decode step" if w.compile else ""))
     measure()

@@ -35,6 +35,7 @@ class Workload:
     gguf: Path | None = None  # the file llama.cpp runs
     parallel: TensorParallel | None = None  # under torchrun: this rank's place; the engine then runs in the rank's own process
     peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
+    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (models/kv_quant.py); the other systems keep theirs
 
     @property
     def batch(self) -> int:
@@ -87,6 +88,7 @@ class ServingWorkload:
     quant: str = "none"
     group_size: int = 32
     peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
+    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (models/kv_quant.py); the other systems keep theirs
 
     @property
     def new_tokens(self) -> int:

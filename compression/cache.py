@@ -11,14 +11,20 @@ import torch
 
 
 class Cache(Protocol):
-    k: torch.Tensor  # keys after RoPE: [L, B, H_kv, S, D], or a pool [L, n_blocks, H_kv, block, D]; read for its shape only
     length: torch.Tensor  # [B] slots in use
     position: torch.Tensor  # [B] absolute position of the next token
     prompt_length: torch.Tensor  # [B] protected prefix
     slot_ids: torch.Tensor  # [S] 0..S-1
+    dtype: torch.dtype  # what keys read back as (a quantized cache dequantizes them)
 
     @property
     def n_slots(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def slot_shape(self) -> tuple[int, int, int, int, int]:
+        """(L, B, H_kv, S, D): the slots as the contiguous layout holds them, in either layout."""
 
     def row(self, b: int) -> "Cache": ...
 
@@ -32,8 +38,3 @@ class Cache(Protocol):
         """[prefix | candidates | window] -> [prefix | kept | window] for K, V and the caller's
         per-slot buffers [L, B, H_kv, S, ...]; keep [L, B, H_kv, K] as offsets after the prefix."""
 
-
-def slot_shape(cache: Cache) -> tuple[int, int, int, int, int]:
-    """(L, B, H_kv, S, D): the cache's slots as the contiguous layout holds them, in either layout."""
-    L, _, H_kv, _, D = cache.k.shape
-    return L, cache.length.shape[0], H_kv, cache.n_slots, D

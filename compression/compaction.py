@@ -4,7 +4,7 @@ its block table with the same moves."""
 
 import torch
 
-BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer type of each element size
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer type of each element size
 
 
 def compaction_moves(prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compression.cache import Cache, slot_shape
+from compression.cache import Cache
 from compression.config import CompressionConfig
 from compression.fps import farthest_queries
 from compression.policies import SCORERS, ScoringInputs
@@ -38,13 +38,13 @@ class CompressionManager:
     ):
         """n_heads: the query heads whose queries the model hands over; kv_heads: under tensor
         parallelism, the model's KV head the cache's first one is, and the model's count."""
-        L, B, H_kv, _, D = slot_shape(cache)
+        L, B, H_kv, _, D = cache.slot_shape()
         self.config = config
         self.kv_heads = kv_heads
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
-        self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.k.dtype, cache.k.device)
+        self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.dtype, cache.device)
         self.positions = SlotPositions(cache, config.budget)
         # H2O: [L, B, H_kv, S] the attention each slot has received so far, summed over the steps
         # and the heads of its group; compaction moves it with the slot's K and V.
@@ -59,8 +59,8 @@ class CompressionManager:
     def track_received_attention(self) -> None:
         """Accumulate H2O's statistic from the next step on (H2O's own manager does from the start;
         the evaluation's full-cache recorder does it so that H2O can resume from its snapshots)."""
-        L, B, H_kv, S, _ = slot_shape(self.cache)
-        self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.k.device)
+        L, B, H_kv, S, _ = self.cache.slot_shape()
+        self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.device)
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
@@ -113,7 +113,7 @@ class CompressionManager:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n, kept = n_new[0], last_queries.shape[3]
         if self.received is not None:  # the new slots may hold evicted tokens' sums
-            new_slots = self.cache.length[:, None] + torch.arange(n, device=self.cache.k.device)  # [B, n]
+            new_slots = self.cache.length[:, None] + torch.arange(n, device=self.cache.device)  # [B, n]
             L, B, H_kv = self.received.shape[:3]
             self.received.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
         for i in range(kept):
@@ -139,7 +139,7 @@ class CompressionManager:
 
     def _farthest(self, candidates: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The n_beacon farthest points among each head's candidates [..., H, N, D]: [..., H, n_beacon, D]."""
-        per_group = self.cache.k.shape[2] if self.config.fps_per_group else None
+        per_group = self.cache.slot_shape()[2] if self.config.fps_per_group else None
         return farthest_queries(candidates, self.n_beacon, per_group, valid)
 
     def _refresh_beacons(self) -> None:
@@ -156,8 +156,8 @@ class CompressionManager:
         start = time.perf_counter()
         cache, config = self.cache, self.config
         n_candidates = self.generated - config.window
-        L, B, H_kv, _, D = slot_shape(cache)
-        candidate_slots = cache.prompt_length[:, None] + torch.arange(n_candidates, device=cache.k.device)  # [B, C]
+        L, B, H_kv, _, D = cache.slot_shape()
+        candidate_slots = cache.prompt_length[:, None] + torch.arange(n_candidates, device=cache.device)  # [B, C]
         beacon_cos, beacon_sin = self.rope_cos[cache.position], self.rope_sin[cache.position]  # [B, D]: beacons vote from now
         recent, issued_at = self.buffer.recent()
         recent_cos, recent_sin = self.rope_cos[issued_at], self.rope_sin[issued_at]  # [B, R, D]
@@ -220,7 +220,7 @@ class CompressionManager:
         return self.positions.of(self.cache)
 
     def _sync(self) -> None:
-        if self.cache.k.device.type == "cuda":
+        if self.cache.device.type == "cuda":
             torch.cuda.synchronize()  # so that the timings measure the work, not its launch
 
 

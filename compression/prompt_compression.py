@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from compression.cache import Cache, slot_shape
+from compression.cache import Cache
 from compression.config import PREFIX_SINKS, CompressionConfig
 from compression.scoring import rotate_to_position
 from models.rope import apply_rope
@@ -24,8 +24,8 @@ def compress_prompt(
 ) -> torch.Tensor:
     """Compress every row's prompt that is long enough, in place; returns the positions
     [L, B, H_kv, T] its slots hold afterwards (T the longest prompt)."""
-    L, B, H_kv, _, D = slot_shape(cache)
-    device = cache.k.device
+    L, B, H_kv, _, D = cache.slot_shape()
+    device = cache.device
     T = int(cache.prompt_length.max())
     positions = torch.arange(T, device=device).expand(L, B, H_kv, T).clone()
     R = prompt_tail.shape[3]

@@ -16,12 +16,12 @@ def accumulate_attention(received: torch.Tensor, cache: Cache, queries: torch.Te
     new one included, summed over the heads of each KV group, to `received` [L, B, H_kv, S]. The
     new token's slot starts from zero: it may hold an evicted token's sum."""
     L, B, H, _, D = queries.shape
-    H_kv, S = cache.k.shape[2], cache.n_slots
+    _, _, H_kv, S, _ = cache.slot_shape()
     new_slot = cache.length.view(1, B, 1, 1).expand(L, B, H_kv, 1)
     received.scatter_(3, new_slot, 0.0)
     rotated = apply_rope(queries, cos[:, None], sin[:, None])  # [L, B, H, 1, D]: cos/sin broadcast over layers and heads
     grouped = rotated.view(L, B, H_kv, H // H_kv, D).float()
     logits = torch.einsum("lbkgd,lbksd->lbkgs", grouped, cache.all_keys().float()) / math.sqrt(D)  # [L, B, H_kv, G, S]
-    readable = torch.arange(S, device=cache.k.device)[None, :] <= cache.length[:, None]  # [B, S]
+    readable = torch.arange(S, device=cache.device)[None, :] <= cache.length[:, None]  # [B, S]
     logits = logits.masked_fill(~readable[None, :, None, None, :], float("-inf"))
     received += logits.softmax(dim=-1).sum(dim=3)

@@ -4,15 +4,15 @@ hold the positions recorded then, and a compressed prompt holds positions of its
 
 import torch
 
-from compression.cache import Cache, slot_shape
+from compression.cache import Cache
 
 
 class SlotPositions:
     def __init__(self, cache: Cache, budget: int):
-        L, B, H_kv, _, _ = slot_shape(cache)
+        L, B, H_kv, _, _ = cache.slot_shape()
         self.budget = budget
         # [L, B, H_kv, budget] positions of the kept slots, valid once `compacted`; rewritten in place.
-        self.kept = torch.zeros(L, B, H_kv, budget, dtype=torch.int64, device=cache.k.device)
+        self.kept = torch.zeros(L, B, H_kv, budget, dtype=torch.int64, device=cache.device)
         self.compacted = False
         self.prefix: torch.Tensor | None = None  # [L, B, H_kv, P] the positions a compressed prompt's slots hold
 
@@ -22,8 +22,8 @@ class SlotPositions:
         The prefix sits at its own positions; after a compaction the kept slots hold what was
         recorded; every slot after them was written in order, one position per step.
         """
-        L, B, H_kv, S, _ = slot_shape(cache)
-        slots = torch.arange(S, device=cache.k.device)
+        L, B, H_kv, S, _ = cache.slot_shape()
+        slots = torch.arange(S, device=cache.device)
         positions = (cache.position - cache.length)[:, None] + slots  # [B, S] appended in order
         positions = torch.where(slots < cache.prompt_length[:, None], slots, positions)
         positions = positions[None, :, None, :].expand(L, B, H_kv, S).clone()
@@ -46,4 +46,4 @@ class SlotPositions:
 
     def _kept_slots(self, cache: Cache) -> torch.Tensor:
         B = cache.length.shape[0]
-        return cache.prompt_length.view(1, B, 1, 1) + torch.arange(self.budget, device=cache.k.device)  # [1, B, 1, budget]
+        return cache.prompt_length.view(1, B, 1, 1) + torch.arange(self.budget, device=cache.device)  # [1, B, 1, budget]

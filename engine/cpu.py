@@ -19,12 +19,17 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     The generated code's vector width is that of torch's own kernels. Inductor follows
     ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: code compiled under
     the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width given as an option
-    is part of the cache key."""
+    is part of the cache key.
+
+    On every device the compiled step rounds where eager rounds (emulate_precision_casts): a
+    quantized KV cache's float16 step and minimum are rounded before the codes are computed
+    from them, and a fused kernel that skipped the rounding gave other codes than eager."""
+    options: dict[str, object] = {"emulate_precision_casts": True}
     if device.type != "cpu":
-        return {}
+        return options
     # vec_isa_ok: take the vector instructions the CPU reports (torch reads its flags) instead of
     # compiling and running a probe program per instruction set in every new process (docs/performance.md).
-    options: dict[str, object] = {"cpp_wrapper": not tensor_parallel, "cpp.vec_isa_ok": True}
+    options |= {"cpp_wrapper": not tensor_parallel, "cpp.vec_isa_ok": True}
     bits = simd_bits()
     if bits is not None:
         options["cpp.simdlen"] = bits

@@ -22,6 +22,7 @@ from engine.kv_cache import KVCache
 from engine.paged_cache import PageConfig, PagedKVCache
 from engine.sampling import SamplingConfig, sample, seen_tokens
 from errors import UserError
+from models.kv_quant import kv_storage
 from models.transformer import Transformer
 
 # The one callback of a generation, after a prefill and after every step, with the sequences that
@@ -101,16 +102,19 @@ class Session:
         compile: bool = False,
         cuda_graph: bool = False,
         pages: PageConfig | None = None,
+        kv_dtype: str = "auto",
     ):
+        """kv_dtype: how the cache stores keys and values (models/kv_quant.py: kv_storage)."""
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
         self.model, self.sampling = model, sampling
         self.cache: KVCache | PagedKVCache
+        dtype, bits = kv_storage(kv_dtype, model.dtype)
         if pages is None:
-            self.cache = KVCache.allocate(model.config, batch, n_slots, model.dtype, device)
+            self.cache = KVCache.allocate(model.config, batch, n_slots, dtype, device, bits=bits)
         else:
-            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, model.dtype, device, pages)
+            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, dtype, device, pages, bits=bits)
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
             self.manager = self._new_manager(compression)
@@ -274,6 +278,7 @@ def generate(
     cuda_graph: bool = False,
     pages: PageConfig | None = None,
     n_slots: int | None = None,
+    kv_dtype: str = "auto",
 ) -> GenerationResult:
     """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
     the prompt + budget_max + window slots only, and is compacted whenever it is full. With
@@ -287,6 +292,7 @@ def generate(
     n_slots = needed if n_slots is None else n_slots
     session = Session(
         model, len(prompts), n_slots, eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
+        kv_dtype=kv_dtype,
     )
 
     start = time.perf_counter()

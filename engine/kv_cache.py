@@ -3,6 +3,9 @@
 Slots are not positions. Row b holds `length[b]` slots in use; its next token has absolute
 position `position[b]`. After a compaction `length` shrinks and `position` does not: RoPE was
 applied to the keys before they were stored, so a kept key keeps its rotation.
+
+The buffers hold floats, or 8- or 4-bit codes with their scales (models/kv_quant.py); the cache
+hands out each layer's buffers as they are and its keys read back as floats.
 """
 
 from dataclasses import dataclass, replace
@@ -12,35 +15,49 @@ import torch
 from compression.compaction import compact_in_place
 from models.config import ModelConfig
 from models.kv_layers import RowsLayer
+from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
 
 
 @dataclass
 class KVCache:
-    k: torch.Tensor  # [L, B, H_kv, S, D] keys after RoPE
-    v: torch.Tensor  # [L, B, H_kv, S, D]
+    k: KV  # [L, B, H_kv, S, D] keys after RoPE
+    v: KV  # [L, B, H_kv, S, D]
     length: torch.Tensor  # [B] int64 slots in use
     position: torch.Tensor  # [B] int64 absolute position of the next token
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
     slot_ids: torch.Tensor  # [S] 0..S-1, kept so that the decode step's mask needs no new index tensor
+    dtype: torch.dtype  # what the keys and values read back as: the buffers' own, or a quantized cache's model dtype
 
     @classmethod
-    def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+    def allocate(
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, *, bits: int | None = None
+    ) -> "KVCache":
+        """Buffers of `dtype`, or with `bits` (8 or 4) quantized ones read back in `dtype`."""
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
         counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            allocate_kv(shape, dtype, bits, device),
+            allocate_kv(shape, dtype, bits, device),
             *counters,
             torch.arange(n_slots, device=device),
+            dtype,
         )
 
     @property
     def n_slots(self) -> int:
-        return self.k.shape[3]
+        return self.slot_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_ids.device
+
+    def slot_shape(self) -> tuple[int, int, int, int, int]:
+        """(L, B, H_kv, S, D): the slots of every layer and row."""
+        return tuple(kv_shape(self.k))
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return kv_nbytes(self.k) + kv_nbytes(self.v)
 
     @property
     def peak_bytes(self) -> int:
@@ -50,21 +67,23 @@ class KVCache:
     def layers(self, n_slots: int | None) -> list[RowsLayer]:
         """Each layer's view of the first n_slots slots of every row (None: the whole buffer), for
         a forward pass: what it writes lands in the cache."""
-        k, v = (self.k, self.v) if n_slots is None else (self.k[:, :, :, :n_slots], self.v[:, :, :, :n_slots])
-        return [RowsLayer(*layer) for layer in zip(k.unbind(0), v.unbind(0))]
+        k, v = self.k, self.v
+        if n_slots is not None:
+            k, v = (kv_map(kv, lambda t: t[:, :, :, :n_slots]) for kv in (k, v))
+        return [RowsLayer(*layer) for layer in zip(kv_unbind(k), kv_unbind(v))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
-        return self.k[layer, :, :, :n_slots]
+        return kv_read(kv_map(self.k, lambda t: t[layer, :, :, :n_slots]), self.dtype)
 
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
-        return self.k
+        return kv_read(self.k, self.dtype)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Move each (layer, row, KV head)'s kept slots to the front, and the same slots of the
         caller's own per-slot buffers [L, B, H_kv, S, ...] (compression.compaction.compact_in_place)."""
-        compact_in_place([self.k, self.v, *buffers], prompt_length, keep, n_candidates, window)
+        compact_in_place([*kv_parts(self.k), *kv_parts(self.v), *buffers], prompt_length, keep, n_candidates, window)
 
     def reserve(self, row: int, n_slots: int) -> None:
         """Every slot is allocated from the start: a row of n_slots needs nothing more, if it fits."""
@@ -77,4 +96,5 @@ class KVCache:
     def row(self, b: int) -> "KVCache":
         """Row b alone, as a cache of one row: views of this one's buffers and counters."""
         rows = slice(b, b + 1)
-        return replace(self, k=self.k[:, rows], v=self.v[:, rows], length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])
+        k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
+        return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])

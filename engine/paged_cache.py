@@ -21,6 +21,7 @@ from errors import UserError
 from models.config import ModelConfig
 from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
 from models.kv_layers import PagedLayer
+from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
 from models.pages import Pages, gather_pages, page_address, read_pages
 
 SCRATCH_BLOCK = 0
@@ -45,13 +46,14 @@ class PageConfig:
 
 @dataclass
 class PagedKVCache:
-    k: torch.Tensor  # [L, n_blocks, H_kv, block_size, D] keys after RoPE, every row's blocks
-    v: torch.Tensor  # [L, n_blocks, H_kv, block_size, D]
+    k: KV  # [L, n_blocks, H_kv, block_size, D] keys after RoPE, every row's blocks (quantized: models/kv_quant.py)
+    v: KV  # [L, n_blocks, H_kv, block_size, D]
     block_table: torch.Tensor  # [B, max_blocks] int64 pool block of each row's slots s // block_size
     length: torch.Tensor  # [B] int64 slots in use
     position: torch.Tensor  # [B] int64 absolute position of the next token
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
     slot_ids: torch.Tensor  # [S] 0..S-1, S the slots a row may hold (its table's blocks hold up to a block more)
+    dtype: torch.dtype  # what the keys and values read back as: the buffers' own, or a quantized cache's model dtype
     free: list[int]  # host: the blocks no row holds, handed out from the end
     rows: list[list[int]]  # host: each row's blocks, in slot order
     peak_blocks: int = 0  # host: the most blocks held at once
@@ -59,29 +61,44 @@ class PagedKVCache:
     @classmethod
     def allocate(
         cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
-        pages: PageConfig = PageConfig(),
+        pages: PageConfig = PageConfig(), *, bits: int | None = None,
     ) -> "PagedKVCache":
         """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
         pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
-        cache's memory) plus the scratch block."""
+        cache's memory) plus the scratch block. Buffers of `dtype`, or `bits`-bit ones read back in it."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            allocate_kv(shape, dtype, bits, device),
+            allocate_kv(shape, dtype, bits, device),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters,
             torch.arange(n_slots, device=device),
+            dtype,
             list(range(n_blocks, 0, -1)),
             [[] for _ in range(batch)],
         )
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[3]
+        return kv_shape(self.k)[3]
+
+    @property
+    def pool_blocks(self) -> int:
+        """The blocks of the pool, the scratch block included."""
+        return kv_shape(self.k)[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_ids.device
+
+    def slot_shape(self) -> tuple[int, int, int, int, int]:
+        """(L, B, H_kv, S, D): the slots of every layer and row, as the contiguous cache holds them."""
+        L, _, H_kv, _, D = kv_shape(self.k)
+        return L, self.length.shape[0], H_kv, self.n_slots, D
 
     @property
     def n_slots(self) -> int:
@@ -91,16 +108,16 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return kv_nbytes(self.k) + kv_nbytes(self.v)
 
     @property
     def block_bytes(self) -> int:
         """K and V bytes of one block, over every layer."""
-        return self.nbytes // self.k.shape[1]
+        return self.nbytes // self.pool_blocks
 
     @property
     def blocks_in_use(self) -> int:
-        return self.k.shape[1] - 1 - len(self.free)
+        return self.pool_blocks - 1 - len(self.free)
 
     @property
     def peak_bytes(self) -> int:
@@ -112,25 +129,27 @@ class PagedKVCache:
         n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
         compiled step does not specialise on it."""
         pages = self._pages(self.n_slots if n_slots is None else n_slots)
-        return [PagedLayer(k, v, pages) for k, v in zip(self.k.unbind(0), self.v.unbind(0))]
+        return [PagedLayer(k, v, pages) for k, v in zip(kv_unbind(self.k), kv_unbind(self.v))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
-        return gather_pages(self.k[layer], self._pages(n_slots))
+        pages = self._pages(n_slots)
+        return kv_read(kv_map(self.k, lambda pool: gather_pages(pool[layer], pages)), self.dtype)
 
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
-        return gather_pages(self.k, self._pages(self.n_slots))
+        pages = self._pages(self.n_slots)
+        return kv_read(kv_map(self.k, lambda pool: gather_pages(pool, pages)), self.dtype)
 
     def _pages(self, n_slots: int) -> Pages:
         """Where the first n_slots slots of every row lie in the pool."""
-        return read_pages(self.block_table, n_slots, self.k.shape[2], self.block_size)
+        return read_pages(self.block_table, n_slots, kv_shape(self.k)[2], self.block_size)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Compact each row into the front of its own blocks, and the caller's per-slot buffers
         [L, B, H_kv, S, ...] as compact_in_place does; the blocks left empty are for `shrink` to return."""
         source, target = compaction_moves(prompt_length, keep, n_candidates, window)
-        for pool in (self.k, self.v):
+        for pool in kv_parts(self.k) + kv_parts(self.v):
             self._move_slots(pool, source, target)
         compact_in_place(buffers, prompt_length, keep, n_candidates, window)
 
@@ -142,7 +161,7 @@ class PagedKVCache:
         heads = torch.arange(pool.shape[2], device=pool.device)[None, :, None]  # [1, H_kv, 1]
         for layer in range(pool.shape[0]):
             blocks, offsets = page_address(self.block_table, source[layer], self.block_size)  # [B, H_kv, N] each
-            moved = bits[layer][blocks, heads, offsets]  # [B, H_kv, N, D]
+            moved = bits[layer][blocks, heads, offsets]  # [B, H_kv, N, ...]
             blocks, offsets = page_address(self.block_table, target[layer], self.block_size)
             bits[layer][blocks, heads, offsets] = moved
 
@@ -163,7 +182,7 @@ class PagedKVCache:
         while len(blocks) * self.block_size < n_slots:
             if not self.free:
                 raise UserError(
-                    f"the paged cache's {self.k.shape[1] - 1} blocks are all in use (a row needs {n_slots} slots); "
+                    f"the paged cache's {self.pool_blocks - 1} blocks are all in use (a row needs {n_slots} slots); "
                     "give the pool more blocks or run fewer rows at once"
                 )
             self.block_table[row, len(blocks)] = self.free[-1]

@@ -113,6 +113,7 @@ def serve(
     compile: bool = False,
     cuda_graph: bool = False,
     on_tokens: OnTokens | None = None,
+    kv_dtype: str = "auto",
 ) -> BatchRun:
     """Answer every request, at most max_batch at once. pages.n_blocks sizes the pool (default:
     max_batch rows of the longest request's worst case, the memory static batching would take)."""
@@ -123,6 +124,7 @@ def serve(
     worst = [compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests]  # slots a prompt may hold at once
     session = ContinuousSession(
         model, max_batch, max(worst), eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
+        kv_dtype=kv_dtype,
     )
     cache = session.cache
     need = [-(-n // cache.block_size) for n in worst]  # blocks

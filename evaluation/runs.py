@@ -120,14 +120,14 @@ def differs_before_compacting(compression: CompressionConfig, recorder: Compress
 
 def snapshot(state: State) -> State:
     c = state.cache
-    cache = KVCache(c.k.clone(), c.v.clone(), c.length.clone(), c.position.clone(), c.prompt_length.clone(), c.slot_ids)
+    cache = KVCache(c.k.clone(), c.v.clone(), c.length.clone(), c.position.clone(), c.prompt_length.clone(), c.slot_ids, c.dtype)
     return _going_on(state, cache, _copy_manager(state.manager, state.manager.config, cache))
 
 
 def resume(model: Transformer, snap: State, compression: CompressionConfig, length: int) -> State:
     """A policy picked up from a snapshot of the full cache taken before the policy's first compaction."""
     n_slots = compression.slots_needed(int(snap.cache.prompt_length.max()), length)
-    cache = KVCache.allocate(model.config, snap.tokens.shape[0], n_slots, snap.cache.k.dtype, CPU)
+    cache = KVCache.allocate(model.config, snap.tokens.shape[0], n_slots, snap.cache.dtype, CPU)
     cache.k.copy_(snap.cache.k[:, :, :, :n_slots])
     cache.v.copy_(snap.cache.v[:, :, :, :n_slots])
     for counter in ("length", "position", "prompt_length"):

@@ -4,7 +4,9 @@ are written, and which slots each query reads. The model calls two verbs on a la
 table, models/pages.py) is decided here and nowhere else in the model.
 
 The engine's caches make these views (engine/kv_cache.py, engine/paged_cache.py): a layer's
-view is its slice of the cache's buffers, so what a block writes lands in the cache itself.
+view is its slice of the cache's buffers, so what a block writes lands in the cache itself. A
+quantized cache's buffers (models/kv_quant.py) are written as codes and read back dequantized,
+in the queries' dtype, just before attention.
 """
 
 from typing import NamedTuple
@@ -13,21 +15,22 @@ import torch
 import torch.nn.functional as F
 
 from models.flash_attention import flash_decode, flash_decode_supported
+from models.kv_quant import KV, QuantizedKV, kv_map, kv_parts, kv_read, kv_store
 from models.pages import Pages, gather_pages, page_address
 
 
 class RowsLayer(NamedTuple):
     """One layer of the contiguous cache: row b's slot s is k[b, :, s]."""
 
-    k: torch.Tensor  # [B, H_kv, S, D] keys after RoPE
-    v: torch.Tensor  # [B, H_kv, S, D]
+    k: KV  # [B, H_kv, S, D] keys after RoPE
+    v: KV  # [B, H_kv, S, D]
 
 
 class PagedLayer(NamedTuple):
     """One layer of the paged cache: row b's slot s lies in block pages.table[b, s // block]."""
 
-    k: torch.Tensor  # [n_blocks, H_kv, block, D] the layer's pool
-    v: torch.Tensor  # [n_blocks, H_kv, block, D]
+    k: KV  # [n_blocks, H_kv, block, D] the layer's pool
+    v: KV  # [n_blocks, H_kv, block, D]
     pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
 
 
@@ -45,13 +48,14 @@ class CacheRead(NamedTuple):
 def write(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store the new keys and values [B, H_kv, T, D] at the slots [B, T] of their rows."""
     if isinstance(layer, PagedLayer):
-        blocks, offsets = page_address(layer.pages.table, slots, layer.k.shape[2])  # [B, T] each
-        layer.k[blocks, :, offsets] = k.transpose(1, 2)  # [B, T, H_kv, D] into their blocks
-        layer.v[blocks, :, offsets] = v.transpose(1, 2)
-        return
-    rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
-    layer.k[rows, :, slots] = k.transpose(1, 2)  # [B, T, H_kv, D] into slots [B, T]
-    layer.v[rows, :, slots] = v.transpose(1, 2)
+        block_size = kv_parts(layer.k)[0].shape[2]
+        blocks, offsets = page_address(layer.pages.table, slots, block_size)  # [B, T] each
+        index = (blocks, slice(None), offsets)  # [B, T, H_kv, D] into their blocks
+    else:
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        index = (rows, slice(None), slots)  # [B, T, H_kv, D] into slots [B, T]
+    kv_store(layer.k, index, k.transpose(1, 2))
+    kv_store(layer.v, index, v.transpose(1, 2))
 
 
 def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -60,11 +64,12 @@ def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Ten
     token's slot + 1), through the block table itself for a paged layer; otherwise a paged row's
     first S slots are gathered into one tensor, and SDPA runs as on the contiguous cache."""
     paged = isinstance(layer, PagedLayer)
-    if q.shape[2] == 1 and flash_decode_supported(layer.k, paged=paged):
+    if q.shape[2] == 1 and not isinstance(layer.k, QuantizedKV) and flash_decode_supported(layer.k, paged=paged):
         return flash_decode(q, layer.k, layer.v, slots[:, 0] + 1, layer.pages.table if paged else None)
+    k, v = layer.k, layer.v
     if paged:
-        return sdpa(q, gather_pages(layer.k, layer.pages), gather_pages(layer.v, layer.pages), mask)
-    return sdpa(q, layer.k, layer.v, mask)
+        k, v = (kv_map(kv, lambda pool: gather_pages(pool, layer.pages)) for kv in (k, v))
+    return sdpa(q, kv_read(k, q.dtype), kv_read(v, q.dtype), mask)
 
 
 def slots_read(layer: LayerKV) -> list[tuple[torch.Tensor, int]]:
@@ -72,7 +77,7 @@ def slots_read(layer: LayerKV) -> list[tuple[torch.Tensor, int]]:
     dimension (what a compiled step takes as a variable size)."""
     if isinstance(layer, PagedLayer):
         return [(layer.pages.blocks, 2), (layer.pages.offsets, 2)]  # [B, 1, S] each
-    return [(layer.k, 2), (layer.v, 2)]  # [B, H_kv, S, D]
+    return [(part, 2) for part in kv_parts(layer.k) + kv_parts(layer.v)]  # [B, H_kv, S, ...]
 
 
 def sdpa(

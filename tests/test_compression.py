@@ -267,7 +267,9 @@ def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
     session.prefill([[5] * 9, [7] * 6])
 
     def held() -> dict[str, tuple[int, int]]:
-        tensors = {**vars(session.cache), **{k: v for k, v in vars(session.manager).items() if isinstance(v, torch.Tensor)}}
+        manager = session.manager
+        owners = {"cache": session.cache, "manager": manager, "buffer": manager.buffer, "positions": manager.positions}
+        tensors = {f"{owner}.{k}": v for owner, o in owners.items() for k, v in vars(o).items() if isinstance(v, torch.Tensor)}
         return {name: (t.untyped_storage().data_ptr(), t.nbytes) for name, t in tensors.items()}
 
     while session.stats.compactions < 1:

@@ -1,0 +1,144 @@
+"""A quantized KV cache's storage: keys (after RoPE) and values in 8 or 4 bits.
+
+Each slot's D channels are quantized in groups of KV_GROUP (or the whole head when it is
+smaller), each group with its own step and minimum in float16, the layout llama.cpp's q8_0/q4_1 blocks use along a row. Per slot, not per
+channel across slots (KIVI's keys), because slots move one by one: a compaction moves each kept
+slot with its own scales, and a decode step writes one slot at a time, so no group ever mixes a
+kept slot with an evicted one or waits for its other members (docs/design.md).
+
+The model dequantizes the slots it reads, in its own dtype, before attention (models/kv_layers.py).
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from errors import UserError
+
+KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
+KV_BITS = {"int8": 8, "int4": 4}
+
+
+class QuantizedKV(NamedTuple):
+    """One cache buffer's keys or values; every part is indexed by slot like the float buffer it
+    replaces, [..., S, ...], only the last dimension differs."""
+
+    codes: torch.Tensor  # [..., S, D * bits // 8] uint8; int4 two per byte, the even channel in the low nibble
+    step: torch.Tensor  # [..., S, groups] float16
+    low: torch.Tensor  # [..., S, groups] float16, at or below every value of the group
+    bits: int  # 8 or 4
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        return [self.codes, self.step, self.low]
+
+    @property
+    def head_dim(self) -> int:
+        return self.codes.shape[-1] * 8 // self.bits
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedKV":
+        """The same slots of every part: fn indexes (or allocates) by the leading dimensions only."""
+        return QuantizedKV(fn(self.codes), fn(self.step), fn(self.low), self.bits)
+
+
+KV = torch.Tensor | QuantizedKV  # a cache buffer, float or quantized
+
+
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device) -> KV:
+    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes."""
+    if bits is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    *slots, D = shape
+    group = min(KV_GROUP, D)
+    if D % group or D % 2:
+        raise UserError(f"a quantized KV cache needs a head dimension divisible by {KV_GROUP} (or an even one below it), and this model's is {D}; use --kv-dtype auto")
+    return QuantizedKV(
+        torch.zeros(*slots, D * bits // 8, dtype=torch.uint8, device=device),
+        torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
+        torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
+        bits,
+    )
+
+
+def quantize(x: torch.Tensor, bits: int) -> QuantizedKV:
+    """x [..., D] -> codes and each group's step and minimum. The float16 minimum is rounded down
+    and the step up, so every value lies in the range the codes span: each comes back within half
+    a step of itself (the test's bound)."""
+    levels = 2**bits - 1
+    groups = x.float().unflatten(-1, (-1, min(KV_GROUP, x.shape[-1])))  # [..., D / G, G]
+    low, high = groups.amin(-1), groups.amax(-1)
+    # float16 rounds to nearest within 2^-11 of a value (2^-25 below its normal range): push the
+    # value that far out first, and the rounding cannot come back past it.
+    low = (low - low.abs() * 2**-11 - 2**-24).half()
+    step = (((high - low.float()) / levels) * (1 + 2**-10) + 2**-24).half()
+    codes = ((groups - low.float()[..., None]) / step.float()[..., None]).round().clamp(0, levels).to(torch.uint8).flatten(-2)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return QuantizedKV(codes, step, low, bits)
+
+
+def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., D * bits // 8] -> values [..., D] in `dtype`."""
+    codes = q.codes
+    if q.bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    groups = codes.unflatten(-1, (q.step.shape[-1], -1)).float()  # [..., D / G, G]
+    return (groups * q.step.float()[..., None] + q.low.float()[..., None]).flatten(-2).to(dtype)
+
+
+def kv_map(kv: KV, fn: Callable[[torch.Tensor], torch.Tensor]) -> KV:
+    """fn on a float buffer, or on each part of a quantized one."""
+    return kv.map(fn) if isinstance(kv, QuantizedKV) else fn(kv)
+
+
+def kv_parts(kv: KV) -> list[torch.Tensor]:
+    """The tensors that hold a buffer's slots (what a compaction moves)."""
+    return kv.parts if isinstance(kv, QuantizedKV) else [kv]
+
+
+def kv_unbind(kv: KV) -> list[KV]:
+    """A buffer of every layer [L, ...] as one per layer."""
+    if isinstance(kv, QuantizedKV):
+        return [QuantizedKV(*parts, kv.bits) for parts in zip(*(part.unbind(0) for part in kv.parts))]
+    return list(kv.unbind(0))
+
+
+def kv_nbytes(kv: KV) -> int:
+    return sum(part.nbytes for part in kv_parts(kv))
+
+
+def kv_store(kv: KV, index: tuple, values: torch.Tensor) -> None:
+    """kv[index] = values [..., D], quantized for a quantized buffer (index names leading dims only)."""
+    if isinstance(kv, QuantizedKV):
+        for part, new in zip(kv.parts, quantize(values, kv.bits).parts):
+            part[index] = new
+    else:
+        kv[index] = values.to(kv.dtype)
+
+
+def kv_read(kv: KV, dtype: torch.dtype) -> torch.Tensor:
+    """The values [..., D] in `dtype`, the model's."""
+    return dequantize(kv, dtype) if isinstance(kv, QuantizedKV) else kv.to(dtype)
+
+
+def kv_shape(kv: KV) -> torch.Size:
+    """The shape of the values a buffer holds, [..., S, D]."""
+    if isinstance(kv, QuantizedKV):
+        return torch.Size((*kv.codes.shape[:-1], kv.head_dim))
+    return kv.shape
+
+
+KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, int | None]:
+    """--kv-dtype as (the dtype keys and values read back in, the bits of their codes or None for
+    floats). auto: the model's dtype, as floats."""
+    if kv_dtype == "auto":
+        return model_dtype, None
+    if kv_dtype in KV_BITS:
+        return model_dtype, KV_BITS[kv_dtype]
+    if kv_dtype in KV_DTYPES:
+        return KV_DTYPES[kv_dtype], None
+    raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS])}")

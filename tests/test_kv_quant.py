@@ -1,0 +1,185 @@
+"""The quantized KV cache (models/kv_quant.py): codes within half a step, attention over them
+equal to attention over their dequantized copy, compaction moving the scales with the slots,
+and every path (paged, compiled, every policy) agreeing with the others on the same codes."""
+
+import math
+
+import pytest
+import torch
+
+from benchmark.memory import decode_traffic
+from compression.config import POLICIES, CompressionConfig
+from engine.generation import generate
+from engine.kv_cache import KVCache
+from engine.paged_cache import PageConfig, PagedKVCache
+from errors import UserError
+from models.config import ModelConfig
+from models.kv_layers import PagedLayer, RowsLayer, attend, write
+from models.kv_quant import KV_GROUP, QuantizedKV, dequantize, kv_storage, quantize
+from models.pages import read_pages
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+SMALL = CompressionConfig(budget=6, hysteresis=3, window=3, n_recent=4, n_beacon=4)
+
+
+def config_of(head_dim: int, n_layers: int = 1, n_heads: int = 2, n_kv_heads: int = 2) -> ModelConfig:
+    return ModelConfig(
+        model_type="llama", vocab_size=8, hidden_size=n_heads * head_dim, intermediate_size=8, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False,
+        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+    )
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def hard_values(*shape: int) -> torch.Tensor:
+    """Keys-like values: rows of very different scales and offsets, an outlier, a constant group."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape) * torch.rand(*shape[:-1], 1) * 30 + torch.randn(*shape[:-1], 1) * 80
+    x[..., 0, 3] = 900.0
+    x[..., 1, :KV_GROUP] = -2.5
+    return x
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_value_comes_back_within_half_a_step_of_its_group(bits):
+    x = hard_values(3, 4, 64)
+    q = quantize(x, bits)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (3, 4, 64 * bits // 8) and q.step.shape == (3, 4, 64 // KV_GROUP)
+    back = dequantize(q, torch.float64)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in x.shape[:-1])).tolist():  # brute force, group by group
+        for g in range(64 // KV_GROUP):
+            group = slice(g * KV_GROUP, (g + 1) * KV_GROUP)
+            step = float(q.step[(*index, g)])
+            error = (back[(*index, group)] - x[(*index, group)].double()).abs().max().item()
+            assert error <= step / 2 * (1 + 1e-5), (index, g, error, step)
+            values = x[(*index, group)]
+            spread = (values.max() - values.min()).item() + values.abs().max().item() * 2**-9  # with the float16 minimum's rounding
+            assert step <= spread / (2**bits - 1) * 1.002 + 1e-7  # the step spans the group's range, no more
+
+
+def test_int4_codes_pack_the_even_channel_in_the_low_nibble():
+    x = torch.tensor([0.0, 15.0] * 16)  # low 0, high 15: step 1, codes are the values
+    q = quantize(x, 4)
+    assert q.codes.tolist()[:2] == [0xF0, 0xF0]  # channel 0 (code 0) low, channel 1 (code 15) high
+    assert torch.equal(dequantize(q, torch.float32).round(), x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_copy(bits, paged):
+    """A written layer holds codes; attend() over it equals a float64 softmax over what the codes decode to."""
+    B, H, H_kv, S, D = 2, 4, 2, 11, 64
+    torch.manual_seed(1)
+    k, v, q = torch.randn(B, H_kv, S, D) * 3, torch.randn(B, H_kv, S, D), torch.randn(B, H, 1, D)
+    config = config_of(D, n_heads=H, n_kv_heads=H_kv)
+    slots = torch.arange(S).expand(B, S)
+    if paged:
+        cache = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
+        for row in range(B):
+            cache.reserve(row, S)
+        layer = cache.layers(S)[0]
+        assert isinstance(layer, PagedLayer)
+    else:
+        cache = KVCache.allocate(config, B, S, torch.float32, CPU, bits=bits)
+        layer = cache.layers(S)[0]
+        assert isinstance(layer, RowsLayer)
+    assert isinstance(layer.k, QuantizedKV)
+    write(layer, k, v, slots)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    got = attend(layer, q, slots[:, -1:], mask)  # [B, H, 1, D]
+    keys = dequantize(quantize(k, bits), torch.float64)
+    values = dequantize(quantize(v, bits), torch.float64)
+    G = H // H_kv
+    for b in range(B):
+        for h in range(H):
+            weights = (keys[b, h // G] @ q[b, h, 0].double() / math.sqrt(D)).softmax(0)  # [S]
+            assert torch.allclose(got[b, h, 0].double(), weights @ values[b, h // G], atol=1e-5)
+    assert torch.equal(cache.keys(0, S), keys.float())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_compaction_moves_each_slots_scales_with_its_codes(bits):
+    """After a compaction the slots hold what they held before, scales included, in both layouts."""
+    torch.manual_seed(2)
+    config = config_of(64, n_layers=2)
+    L, B, H_kv, S, D = 2, 2, 2, 12, 64
+    contiguous = KVCache.allocate(config, B, S, torch.float32, CPU, bits=bits)
+    paged = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
+    for row in range(B):
+        paged.reserve(row, S)
+    k, v = hard_values(L, B, H_kv, S, D), torch.randn(L, B, H_kv, S, D)
+    slots = torch.arange(S).expand(B, S)
+    for cache in (contiguous, paged):
+        for layer, view in enumerate(cache.layers(S)):
+            write(view, k[layer], v[layer], slots)
+    before = contiguous.all_keys().clone()
+    prompt_length = torch.tensor([2, 3])
+    keep = torch.randint(0, 6, (L, B, H_kv, 3)).sort(dim=-1).values
+    for cache in (contiguous, paged):
+        cache.compact([], prompt_length, keep, 6, 2)
+        after = cache.all_keys()
+        for b, P in enumerate(prompt_length.tolist()):
+            moved = torch.cat([P + keep[:, b], P + 6 + torch.arange(2).expand(L, H_kv, 2)], dim=-1)  # kept, then the window
+            expected = before[:, b].gather(2, moved[..., None].expand(L, H_kv, 5, D))
+            assert torch.equal(after[:, b, :, P : P + 5], expected)
+            assert torch.equal(after[:, b, :, :P], before[:, b, :, :P])
+
+
+def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
+    """int4 of a 64-channel head: 32 bytes of codes and 2 groups x (step, minimum) x 2 bytes per slot."""
+    config = config_of(64, n_layers=3)
+    per_slot = {None: 64 * 2, 8: 64 + 8, 4: 32 + 8}  # bytes of one head's keys, bfloat16 or codes + scales
+    for bits, expected in per_slot.items():
+        cache = KVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits=bits)
+        assert cache.nbytes == 2 * 3 * 2 * 2 * 10 * expected  # K and V, layers, rows, heads, slots
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cache(kv_dtype, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    prompts = prompts_of([5, 30, 12], seed=3)
+    for policy in POLICIES:
+        compression = CompressionConfig(**{**SMALL.__dict__, "policy": policy})
+        contiguous = generate(model, prompts, 30, eos_ids=frozenset(), compression=compression, kv_dtype=kv_dtype)
+        paged = generate(model, prompts, 30, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=4), kv_dtype=kv_dtype)
+        assert paged.tokens == contiguous.tokens, policy
+        if policy != "none":
+            assert contiguous.compression.compactions > 0
+
+
+def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([7, 19], seed=2)
+    for kv_dtype in ("int8", "int4"):
+        eager = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype)
+        compiled = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype, compile=True)
+        assert compiled.tokens == eager.tokens, kv_dtype
+
+
+def test_a_float_cache_of_another_dtype_is_read_in_the_models():
+    """--kv-dtype bf16 under a float32 model: the cache holds bfloat16, attention runs in float32."""
+    assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None)
+    assert kv_storage("auto", torch.bfloat16) == (torch.bfloat16, None)
+    assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, 4)
+
+
+def test_bad_kv_options_get_one_clear_error():
+    with pytest.raises(UserError, match="unknown --kv-dtype 'int2'"):
+        kv_storage("int2", torch.float32)
+    config = config_of(40)
+    with pytest.raises(UserError, match="head dimension divisible by 32"):
+        KVCache.allocate(config, 1, 4, torch.float32, CPU, bits=4)
+
+
+def test_bench_counts_the_codes_and_scales_a_step_reads(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)  # head_dim 32: one group per head
+    c = model.config
+    heads = 2 * c.n_layers * c.n_kv_heads
+    assert decode_traffic(model, 1, 8, 8).kv_bytes_per_slot == heads * c.head_dim * 4
+    assert decode_traffic(model, 1, 8, 8, "int8").kv_bytes_per_slot == heads * (c.head_dim + 4)
+    assert decode_traffic(model, 1, 8, 8, "int4").kv_bytes_per_slot == heads * (c.head_dim // 2 + 4)
