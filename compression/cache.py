@@ -1,8 +1,8 @@
 """What compression needs of the engine's KV cache, in either layout (engine/kv_cache.py,
 engine/paged_cache.py): the counters, the keys of a layer or of every layer as
-[.., B, H_kv, S, D], and a compaction that moves kept slots to the front. Compression never
-learns how the slots are laid out, and never touches a block table or the pool's free list (the
-engine returns the emptied blocks after a compaction).
+[.., B, H_kv, S, D] in floats, and a compaction that moves kept slots to the front. Compression
+never learns how the slots are laid out or stored (floats or codes), and never touches a block
+table or the pool's free list (the engine returns the emptied blocks after a compaction).
 """
 
 from typing import Protocol

@@ -2,19 +2,22 @@
 
     python -m evaluation.perplexity --checkpoint DIR --text FILE [--text FILE ...]
         [--dtype bfloat16] [--quant none|int8|int4] [--group-size 32] [--gguf FILE.gguf]
-        [--tokens 4096] [--window 512]
+        [--tokens 4096] [--window 512] [--kv-dtype int8 --kv-dtype int4 ...]
 
 Each text is tokenized once by the checkpoint's tokenizer and its first --tokens tokens cut into
 windows of --window. Every window is one prefill that starts from an empty cache; each of its
 tokens after the first is predicted from those before it in the window. The perplexity is
 exp(mean negative log-likelihood) over all of them. With --gguf, llama.cpp (llama-cpp-python)
 scores the very same token ids in the same windows, so the two figures compare the weights alone.
+Each --kv-dtype scores them again with the cache stored that way (models/kv_quant.py): the
+window's attention reads its keys and values back from the codes, as a decode step would.
 """
 
 import argparse
 import math
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ from cli import DTYPE_HELP, DTYPES, add_quant_args, checkpoint_and_quant, pick_d
 from engine.decode import prefill
 from engine.kv_cache import KVCache
 from errors import UserError, run_command
+from models.kv_quant import KV_BITS, KV_DTYPES, kv_storage
 from models.transformer import Transformer
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
@@ -43,9 +47,10 @@ def nll_of(logits: torch.Tensor, window: list[int]) -> list[float]:
     return (-logprobs.gather(1, torch.tensor(window[1:])[:, None]))[:, 0].tolist()
 
 
-def engine_nll(model: Transformer, window: list[int]) -> list[float]:
-    """nll_of the engine's logits: one prefill of the window into an empty cache."""
-    cache = KVCache.allocate(model.config, 1, len(window), model.dtype, CPU)
+def engine_nll(model: Transformer, window: list[int], kv_dtype: str = "auto") -> list[float]:
+    """nll_of the engine's logits: one prefill of the window into an empty cache stored as kv_dtype says."""
+    dtype, bits = kv_storage(kv_dtype, model.dtype)
+    cache = KVCache.allocate(model.config, 1, len(window), dtype, CPU, bits=bits)
     with torch.inference_mode():
         return nll_of(prefill(model, cache, [window], all_logits=True)[0], window)  # logits [T, V]
 
@@ -79,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=4096, help="the first this many tokens of each text")
     p.add_argument("--window", type=int, default=512, help="tokens per prefill; each starts from an empty cache")
     p.add_argument("--gguf", type=Path, help="also score the texts with llama.cpp on this GGUF file")
+    p.add_argument(
+        "--kv-dtype", action="append", choices=["auto", *KV_DTYPES, *KV_BITS],
+        help="how the engine's cache stores keys and values (repeatable: each is scored; default auto, the model's dtype)",
+    )
     add_quant_args(p)
     return p.parse_args(argv)
 
@@ -100,7 +109,8 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_dir(checkpoint)
     texts = {path: windows(tokenizer.encode(read_text(path), add_special_tokens=False)[: args.tokens], args.window) for path in args.text}
     model = load_model(checkpoint, pick_dtype(args.dtype, checkpoint, CPU, quant), CPU, quant, args.group_size)
-    scorers = {f"engine ({quant if quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')})": lambda w: engine_nll(model, w)}
+    weights = f"{quant if quant != 'none' else 'as stored'}, {str(model.dtype).removeprefix('torch.')}"
+    scorers = {f"engine ({weights}, KV {kv})": partial(engine_nll, model, kv_dtype=kv) for kv in args.kv_dtype or ["auto"]}
     if args.gguf is not None:
         scorers[f"llama.cpp ({args.gguf.name})"] = llama_cpp_nll(args.gguf, args.window)
     for path, token_windows in texts.items():

@@ -62,7 +62,8 @@ def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Ten
     """Attention of the queries [B, H, T, D] (after RoPE) over the layer's slots, [B, H, T, D],
     by the fastest kernel that applies. flash-attn reads only each row's slots in use (the new
     token's slot + 1), through the block table itself for a paged layer; otherwise a paged row's
-    first S slots are gathered into one tensor, and SDPA runs as on the contiguous cache."""
+    first S slots are gathered into one tensor, and SDPA runs as on the contiguous cache. A
+    quantized layer's slots are dequantized for it, in the queries' dtype."""
     paged = isinstance(layer, PagedLayer)
     if q.shape[2] == 1 and not isinstance(layer.k, QuantizedKV) and flash_decode_supported(layer.k, paged=paged):
         return flash_decode(q, layer.k, layer.v, slots[:, 0] + 1, layer.pages.table if paged else None)

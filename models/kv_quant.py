@@ -80,11 +80,8 @@ def quantize(x: torch.Tensor, bits: int) -> QuantizedKV:
 
 def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
     """codes [..., D * bits // 8] -> values [..., D] in `dtype`."""
-    codes = q.codes
-    if q.bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
-    groups = codes.unflatten(-1, (q.step.shape[-1], -1)).float()  # [..., D / G, G]
-    return (groups * q.step.float()[..., None] + q.low.float()[..., None]).flatten(-2).to(dtype)
+    groups = _codes(q).unflatten(-1, (q.step.shape[-1], -1))  # [..., D / G, G]
+    return torch.addcmul(q.low.float()[..., None], groups, q.step.float()[..., None]).flatten(-2).to(dtype)
 
 
 def kv_map(kv: KV, fn: Callable[[torch.Tensor], torch.Tensor]) -> KV:
@@ -142,3 +139,11 @@ def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, in
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype], None
     raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS])}")
+
+
+def _codes(q: QuantizedKV) -> torch.Tensor:
+    """The codes one per channel, [..., D], as floats."""
+    codes = q.codes
+    if q.bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    return codes.float()

@@ -122,3 +122,14 @@ def test_graph_replay_of_continuous_batching_equals_eager(policy, tiny_checkpoin
     eager = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4))
     graphed = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4), cuda_graph=True)
     assert graphed.tokens == eager.tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_graph_replay_over_a_quantized_kv_cache_equals_eager(kv_dtype, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
+    prompts = prompts_of([5, 17], seed=4)
+    config = CompressionConfig(policy="snapkv", budget=12, hysteresis=6, window=4, n_recent=6)
+    eager = generate(model, prompts, 60, eos_ids=frozenset(), compression=config, kv_dtype=kv_dtype)
+    graphed = generate(model, prompts, 60, eos_ids=frozenset(), compression=config, kv_dtype=kv_dtype, cuda_graph=True)
+    assert eager.compression.compactions > 0
+    assert graphed.tokens == eager.tokens

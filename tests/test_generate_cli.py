@@ -233,3 +233,13 @@ def test_continuous_batching_with_too_small_a_pool_says_so(chat_checkpoint, caps
     (tmp_path / "prompts.txt").write_text("a question\nanother\n")
     code, _, err = run_main(capsys, "--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-batch", "2", "--kv-blocks", "1", "--block-size", "4")
     assert code == 2 and "give the pool more blocks" in err
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_kv_dtype_runs_a_prompt_and_continuous_batching(chat_checkpoint, capsys, tmp_path, kv_dtype):
+    (tmp_path / "prompts.txt").write_text("first question\nthird\n")
+    common = ["--checkpoint", str(chat_checkpoint), "--max-new-tokens", "12", "--dtype", "float32", "--temperature", "0", "--kv-dtype", kv_dtype]
+    code, out, err = run_main(capsys, *common, "--prompt", "Count the foxes.", "--kv-policy", "snapkv", "--kv-budget", "4", "--kv-hysteresis", "2", "--kv-window", "2")
+    assert code == 0 and out.strip() and "compactions: " in err
+    code, out, _ = run_main(capsys, *common, "--prompt-file", str(tmp_path / "prompts.txt"), "--max-batch", "2")
+    assert code == 0 and len(out.strip().split("\n\n")) == 2
