@@ -1,10 +1,12 @@
 """A quantized KV cache's storage: keys (after RoPE) and values in 8 or 4 bits.
 
 Each slot's D channels are quantized in groups of KV_GROUP (or the whole head when it is
-smaller), each group with its own step and minimum in float16, the layout llama.cpp's q8_0/q4_1 blocks use along a row. Per slot, not per
-channel across slots (KIVI's keys), because slots move one by one: a compaction moves each kept
-slot with its own scales, and a decode step writes one slot at a time, so no group ever mixes a
-kept slot with an evicted one or waits for its other members (docs/design.md).
+smaller), each group with its own step and minimum in float16, the layout llama.cpp's q8_0/q4_1
+blocks use along a row. Per slot, not per channel across slots (KIVI's keys), because slots move
+one by one: a compaction moves each kept slot with its own scales, and a decode step writes one
+slot at a time, so no group ever mixes a kept slot with an evicted one or waits for its other
+members (docs/design.md). The price, measured: keys with a few very large channels (Qwen2's) lose
+much in 4 bits (docs/quantization.md).
 
 The model dequantizes the slots it reads, in its own dtype, before attention (models/kv_layers.py).
 """
@@ -18,6 +20,7 @@ from errors import UserError
 
 KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
 KV_BITS = {"int8": 8, "int4": 4}
+KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 class QuantizedKV(NamedTuple):
@@ -125,8 +128,6 @@ def kv_shape(kv: KV) -> torch.Size:
         return torch.Size((*kv.codes.shape[:-1], kv.head_dim))
     return kv.shape
 
-
-KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, int | None]:
