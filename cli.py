@@ -77,6 +77,9 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
         "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS], default="auto",
         help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32, or int8/int4 codes with a float16 step and minimum per 32 channels of each token (models/kv_quant.py)",
     )
+    g.add_argument("--kv-store", type=int, default=d.store_slots, metavar="SLOTS", help="demote what a policy evicts into a store of this many slots (pages of 16), which each decode step recalls from (0: eviction is final)")
+    g.add_argument("--kv-store-dtype", choices=[*KV_DTYPES, *KV_BITS], default=d.store_dtype, help="how the store holds keys and values")
+    g.add_argument("--kv-recall", type=int, default=d.recall_pages, metavar="PAGES", help="store pages each KV head attends at each step, the pages whose keys can score highest against its queries")
 
 
 def compression_config(args: argparse.Namespace) -> CompressionConfig:
@@ -95,6 +98,9 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         prefix_budget=args.kv_prefix_budget,
         prefix_tail=args.kv_prefix_tail,
         seed=args.seed,
+        store_slots=args.kv_store,
+        store_dtype=args.kv_store_dtype,
+        recall_pages=args.kv_recall,
     )
 
 

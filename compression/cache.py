@@ -34,6 +34,13 @@ class Cache(Protocol):
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
 
+    @property
+    def store(self) -> object | None:
+        """Where evicted slots are demoted (engine/kv_store.py), or None: eviction is final."""
+
+    def demote(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy the slots [L, B, H_kv, E] about to be evicted, and their positions, into the store."""
+
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """[prefix | candidates | window] -> [prefix | kept | window] for K, V and the caller's
         per-slot buffers [L, B, H_kv, S, ...]; keep [L, B, H_kv, K] as offsets after the prefix."""

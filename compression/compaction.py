@@ -17,6 +17,14 @@ def compaction_moves(prompt_length: torch.Tensor, keep: torch.Tensor, n_candidat
     return source, target
 
 
+def evicted_offsets(keep: torch.Tensor, n_candidates: int) -> torch.Tensor:
+    """The candidates a compaction does not keep, ascending: [L, B, H_kv, C - K] offsets after the
+    prefix, for keep [L, B, H_kv, K] (ascending, distinct)."""
+    kept = torch.zeros(*keep.shape[:-1], n_candidates, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
+    order = torch.sort(kept.to(torch.uint8), dim=-1, stable=True).indices  # the evicted first, each part in offset order
+    return order[..., : n_candidates - keep.shape[-1]]
+
+
 def compact_in_place(
     buffers: list[torch.Tensor],  # each [L, B, H_kv, S, ...], rewritten in place
     prompt_length: torch.Tensor,  # [B] the protected prefix of each row, which does not move

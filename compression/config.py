@@ -4,6 +4,7 @@ from dataclasses import dataclass, replace
 
 from errors import UserError
 
+STORE_PAGE = 16  # demoted slots per page of the store: each page has one summary, and is recalled whole
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
 AGGREGATIONS = ("max", "mean", "topm")
@@ -25,6 +26,9 @@ class CompressionConfig:
     prefix_budget: int = 0  # a long prompt keeps this many of the tokens between its first PREFIX_SINKS and last prefix_tail (0: all)
     prefix_tail: int = 64  # with prefix_budget: the prompt's last tokens (the question), kept whole
     seed: int = 0  # for the random policy
+    store_slots: int = 0  # demote evicted slots into a store of this many (0: eviction is final)
+    store_dtype: str = "int4"  # how the store holds keys and values (models/kv_quant.py's names)
+    recall_pages: int = 4  # store pages each KV head of each decode step attends besides the cache
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -40,6 +44,13 @@ class CompressionConfig:
             raise UserError(f"--kv-prefix-budget needs a policy that scores a prompt: {self.policy} has nothing to score it with")
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")
+        if self.store_slots:
+            if self.policy == "none":
+                raise UserError("--kv-store holds what a policy evicts: add a --kv-policy")
+            if self.store_slots < 0 or self.store_slots % STORE_PAGE:
+                raise UserError(f"--kv-store must be a multiple of its page of {STORE_PAGE} slots, got {self.store_slots}")
+            if not 1 <= self.recall_pages <= self.store_slots // STORE_PAGE:
+                raise UserError(f"--kv-recall must be between 1 and the store's {self.store_slots // STORE_PAGE} pages, got {self.recall_pages}")
 
     @property
     def enabled(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compression.cache import Cache
+from compression.compaction import evicted_offsets
 from compression.config import CompressionConfig
 from compression.fps import farthest_queries
 from compression.policies import SCORERS, ScoringInputs
@@ -64,6 +65,8 @@ class CompressionManager:
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
+        if self.cache.store is not None:
+            self.cache.store.reset()
         self.buffer.reset()
         self.positions.reset()
         if self.received is not None:
@@ -182,8 +185,12 @@ class CompressionManager:
                 in_use=in_use,
                 candidate_slots=candidate_slots,
             ))
+        keep = torch.stack(keep)  # [L, B, H_kv, budget]
+        if cache.store is not None:
+            evicted = cache.prompt_length.view(1, B, 1, 1) + evicted_offsets(keep, n_candidates)  # [L, B, H_kv, E]
+            cache.demote(evicted, positions.gather(3, evicted))
         moved = [positions] + ([self.received] if self.received is not None else [])
-        cache.compact(moved, cache.prompt_length, torch.stack(keep), n_candidates, config.window)
+        cache.compact(moved, cache.prompt_length, keep, n_candidates, config.window)
         self.positions.keep(cache, positions)
         cache.length.copy_(cache.prompt_length + config.budget + config.window)
         self.generated = config.budget + config.window

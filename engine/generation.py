@@ -19,6 +19,7 @@ from engine.compile import CompiledStep, compile_blocks
 from engine.cuda_graph import capture_decode_step
 from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
+from engine.kv_store import KVStore
 from engine.paged_cache import PageConfig, PagedKVCache
 from engine.sampling import SamplingConfig, sample, seen_tokens
 from errors import UserError
@@ -115,6 +116,10 @@ class Session:
             self.cache = KVCache.allocate(model.config, batch, n_slots, dtype, device, bits=bits)
         else:
             self.cache = PagedKVCache.allocate(model.config, batch, n_slots, dtype, device, pages, bits=bits)
+        if compression.store_slots:
+            self.cache.store = KVStore.allocate(
+                model.config, batch, compression.store_slots, compression.store_dtype, model.dtype, compression.recall_pages, device,
+            )
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
             self.manager = self._new_manager(compression)

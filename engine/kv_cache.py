@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from compression.compaction import compact_in_place
+from engine.kv_store import KVStore
 from models.config import ModelConfig
 from models.kv_layers import RowsLayer
 from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
@@ -27,6 +28,7 @@ class KVCache:
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
     slot_ids: torch.Tensor  # [S] 0..S-1, kept so that the decode step's mask needs no new index tensor
     dtype: torch.dtype  # what the keys and values read back as: the buffers' own, or a quantized cache's model dtype
+    store: KVStore | None = None  # where compactions demote what they evict (engine/kv_store.py)
 
     @classmethod
     def allocate(
@@ -57,7 +59,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return kv_nbytes(self.k) + kv_nbytes(self.v)
+        """K and V, their scales, and the store's bytes."""
+        return kv_nbytes(self.k) + kv_nbytes(self.v) + (0 if self.store is None else self.store.nbytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -70,7 +73,8 @@ class KVCache:
         k, v = self.k, self.v
         if n_slots is not None:
             k, v = (kv_map(kv, lambda t: t[:, :, :, :n_slots]) for kv in (k, v))
-        return [RowsLayer(*layer) for layer in zip(kv_unbind(k), kv_unbind(v))]
+        stores = [None] * self.slot_shape()[0] if self.store is None else self.store.layers()
+        return [RowsLayer(*layer) for layer in zip(kv_unbind(k), kv_unbind(v), stores)]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
@@ -79,6 +83,14 @@ class KVCache:
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
         return kv_read(self.k, self.dtype)
+
+    def demote(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy the slots [L, B, H_kv, E] about to be evicted, and the positions they hold, into the store."""
+        def gather(part: torch.Tensor) -> torch.Tensor:
+            return part.gather(3, slots[..., None].expand(*slots.shape, part.shape[-1]))
+
+        k, v = (kv_read(kv_map(kv, gather), self.dtype) for kv in (self.k, self.v))
+        self.store.demote(k, v, positions)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Move each (layer, row, KV head)'s kept slots to the front, and the same slots of the
@@ -97,4 +109,5 @@ class KVCache:
         """Row b alone, as a cache of one row: views of this one's buffers and counters."""
         rows = slice(b, b + 1)
         k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
-        return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])
+        store = None if self.store is None else self.store.row(b)
+        return replace(self, k=k, v=v, store=store, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from compression.compaction import BITS, compact_in_place, compaction_moves
+from engine.kv_store import KVStore
 from errors import UserError
 from models.config import ModelConfig
 from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
@@ -57,6 +58,7 @@ class PagedKVCache:
     free: list[int]  # host: the blocks no row holds, handed out from the end
     rows: list[list[int]]  # host: each row's blocks, in slot order
     peak_blocks: int = 0  # host: the most blocks held at once
+    store: KVStore | None = None  # where compactions demote what they evict (engine/kv_store.py)
 
     @classmethod
     def allocate(
@@ -108,12 +110,13 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return kv_nbytes(self.k) + kv_nbytes(self.v)
+        """The pool's K and V with their scales, and the store's bytes."""
+        return kv_nbytes(self.k) + kv_nbytes(self.v) + (0 if self.store is None else self.store.nbytes)
 
     @property
     def block_bytes(self) -> int:
         """K and V bytes of one block, over every layer."""
-        return self.nbytes // self.pool_blocks
+        return (kv_nbytes(self.k) + kv_nbytes(self.v)) // self.pool_blocks
 
     @property
     def blocks_in_use(self) -> int:
@@ -121,15 +124,16 @@ class PagedKVCache:
 
     @property
     def peak_bytes(self) -> int:
-        """K and V bytes of the most blocks held at once."""
-        return self.peak_blocks * self.block_bytes
+        """K and V bytes of the most blocks held at once, and the store's."""
+        return self.peak_blocks * self.block_bytes + (0 if self.store is None else self.store.nbytes)
 
     def layers(self, n_slots: int | None) -> list[PagedLayer]:
         """Each layer's pool, with where the first n_slots slots of every row lie (None: all
         n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
         compiled step does not specialise on it."""
         pages = self._pages(self.n_slots if n_slots is None else n_slots)
-        return [PagedLayer(k, v, pages) for k, v in zip(kv_unbind(self.k), kv_unbind(self.v))]
+        stores = [None] * self.slot_shape()[0] if self.store is None else self.store.layers()
+        return [PagedLayer(k, v, pages, store) for k, v, store in zip(kv_unbind(self.k), kv_unbind(self.v), stores)]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
@@ -144,6 +148,17 @@ class PagedKVCache:
     def _pages(self, n_slots: int) -> Pages:
         """Where the first n_slots slots of every row lie in the pool."""
         return read_pages(self.block_table, n_slots, kv_shape(self.k)[2], self.block_size)
+
+    def demote(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy the slots [L, B, H_kv, E] about to be evicted, and the positions they hold, into the store."""
+        heads = torch.arange(slots.shape[2], device=slots.device)[None, :, None]  # [1, H_kv, 1]
+        addresses = [page_address(self.block_table, layer_slots, self.block_size) for layer_slots in slots]  # [B, H_kv, E] each
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            return torch.stack([pool[layer][blocks, heads, offsets] for layer, (blocks, offsets) in enumerate(addresses)])
+
+        k, v = (kv_read(kv_map(kv, gather), self.dtype) for kv in (self.k, self.v))
+        self.store.demote(k, v, positions)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Compact each row into the front of its own blocks, and the caller's per-slot buffers
@@ -171,7 +186,7 @@ class PagedKVCache:
         rows = slice(b, b + 1)
         return replace(
             self, block_table=self.block_table[rows], length=self.length[rows], position=self.position[rows],
-            prompt_length=self.prompt_length[rows], rows=[self.rows[b]],
+            prompt_length=self.prompt_length[rows], rows=[self.rows[b]], store=None if self.store is None else self.store.row(b),
         )
 
     def reserve(self, row: int, n_slots: int) -> None:

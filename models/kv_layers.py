@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from models.flash_attention import flash_decode, flash_decode_supported
 from models.kv_quant import KV, QuantizedKV, kv_map, kv_parts, kv_read, kv_store
 from models.pages import Pages, gather_pages, page_address
+from models.recall import StoreLayer, recall
 
 
 class RowsLayer(NamedTuple):
@@ -24,6 +25,7 @@ class RowsLayer(NamedTuple):
 
     k: KV  # [B, H_kv, S, D] keys after RoPE
     v: KV  # [B, H_kv, S, D]
+    store: StoreLayer | None = None  # the slots demoted from this layer, which a decode step recalls from
 
 
 class PagedLayer(NamedTuple):
@@ -32,6 +34,7 @@ class PagedLayer(NamedTuple):
     k: KV  # [n_blocks, H_kv, block, D] the layer's pool
     v: KV  # [n_blocks, H_kv, block, D]
     pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
+    store: StoreLayer | None = None
 
 
 LayerKV = RowsLayer | PagedLayer
@@ -63,14 +66,23 @@ def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Ten
     by the fastest kernel that applies. flash-attn reads only each row's slots in use (the new
     token's slot + 1), through the block table itself for a paged layer; otherwise a paged row's
     first S slots are gathered into one tensor, and SDPA runs as on the contiguous cache. A
-    quantized layer's slots are dequantized for it, in the queries' dtype."""
+    quantized layer's slots are dequantized for it, in the queries' dtype. A decode step with a
+    store attends over the pages it recalls too (models/recall.py)."""
     paged = isinstance(layer, PagedLayer)
-    if q.shape[2] == 1 and not isinstance(layer.k, QuantizedKV) and flash_decode_supported(layer.k, paged=paged):
+    decode = q.shape[2] == 1
+    if decode and layer.store is None and not isinstance(layer.k, QuantizedKV) and flash_decode_supported(layer.k, paged=paged):
         return flash_decode(q, layer.k, layer.v, slots[:, 0] + 1, layer.pages.table if paged else None)
     k, v = layer.k, layer.v
     if paged:
         k, v = (kv_map(kv, lambda pool: gather_pages(pool, layer.pages)) for kv in (k, v))
-    return sdpa(q, kv_read(k, q.dtype), kv_read(v, q.dtype), mask)
+    k, v = kv_read(k, q.dtype), kv_read(v, q.dtype)
+    if decode and layer.store is not None:  # one softmax over the cache's slots and the recalled ones
+        recalled_k, recalled_v, recalled = recall(layer.store, q)
+        k, v = torch.cat([k, recalled_k], dim=2), torch.cat([v, recalled_v], dim=2)
+        B, H_kv = recalled.shape[:2]
+        resident = torch.ones(B, 1, 1, k.shape[2] - recalled.shape[3], dtype=torch.bool, device=q.device) if mask is None else mask
+        mask = torch.cat([resident.expand(B, H_kv, 1, -1), recalled], dim=3)  # [B, H_kv, 1, S + R]
+    return sdpa(q, k, v, mask)
 
 
 def slots_read(layer: LayerKV) -> list[tuple[torch.Tensor, int]]:
@@ -85,7 +97,7 @@ def sdpa(
     q: torch.Tensor,  # [B, H, T, D] after RoPE
     k: torch.Tensor,  # [B, H_kv, S, D] one layer's keys, the new ones written
     v: torch.Tensor,  # [B, H_kv, S, D]
-    mask: torch.Tensor | None,  # [B, 1, T, S]; None: causal over slots 0..T-1, no padding
+    mask: torch.Tensor | None,  # [B, 1, T, S], or [B, H_kv, 1, S] per KV head; None: causal over slots 0..T-1, no padding
 ) -> torch.Tensor:
     B, H, T, D = q.shape
     if mask is None:
