@@ -116,10 +116,7 @@ class Session:
             self.cache = KVCache.allocate(model.config, batch, n_slots, dtype, device, bits=bits)
         else:
             self.cache = PagedKVCache.allocate(model.config, batch, n_slots, dtype, device, pages, bits=bits)
-        if compression.store_slots:
-            self.cache.store = KVStore.allocate(
-                model.config, batch, compression.store_slots, compression.store_dtype, model.dtype, compression.recall_pages, device,
-            )
+        self.cache.store = KVStore.for_compression(model.config, batch, compression, model.dtype, device)
         self.manager: CompressionManager | PerRowManagers | None = None
         if compression.enabled:
             self.manager = self._new_manager(compression)

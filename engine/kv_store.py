@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from compression.config import STORE_PAGE
+from compression.config import STORE_PAGE, CompressionConfig
 from models.config import ModelConfig
 from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
 from models.recall import StoreLayer
@@ -46,6 +46,13 @@ class KVStore:
             torch.zeros(batch, dtype=torch.int64),
             recall,
         )
+
+    @classmethod
+    def for_compression(cls, config: ModelConfig, batch: int, compression: CompressionConfig, model_dtype: torch.dtype, device: torch.device) -> "KVStore | None":
+        """The store a compression config asks for (--kv-store), or None."""
+        if not compression.store_slots:
+            return None
+        return cls.allocate(config, batch, compression.store_slots, compression.store_dtype, model_dtype, compression.recall_pages, device)
 
     @property
     def n_slots(self) -> int:

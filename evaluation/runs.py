@@ -23,6 +23,7 @@ from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
 from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
+from engine.kv_store import KVStore
 from engine.sampling import SamplingConfig
 from evaluation.config import EvalConfig
 from evaluation.tasks import Row
@@ -94,6 +95,7 @@ def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_sl
     """Prefill the prompts into a fresh cache of n_slots slots, with a manager for `compression`."""
     B = len(batch.rows)
     cache = KVCache.allocate(model.config, B, n_slots, model.dtype, CPU)
+    cache.store = KVStore.for_compression(model.config, B, compression, model.dtype, CPU)
     manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     logits = prefill(model, cache, batch.prompts, compression=manager).float()
     predicted = torch.zeros(B, batch.length, dtype=torch.int64)
@@ -128,6 +130,7 @@ def resume(model: Transformer, snap: State, compression: CompressionConfig, leng
     """A policy picked up from a snapshot of the full cache taken before the policy's first compaction."""
     n_slots = compression.slots_needed(int(snap.cache.prompt_length.max()), length)
     cache = KVCache.allocate(model.config, snap.tokens.shape[0], n_slots, snap.cache.dtype, CPU)
+    cache.store = KVStore.for_compression(model.config, snap.tokens.shape[0], compression, snap.cache.dtype, CPU)
     cache.k.copy_(snap.cache.k[:, :, :, :n_slots])
     cache.v.copy_(snap.cache.v[:, :, :, :n_slots])
     for counter in ("length", "position", "prompt_length"):

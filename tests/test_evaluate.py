@@ -348,11 +348,11 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
         (["--task", "humaneval", "--problems", "90-120"], "held out"),
         (["--task", "humaneval", "--timeout", "nan"], "--timeout"),
         (["--task", "humaneval", "--full-pass", "x.pt"], "--full-pass is for --task retrieval"),
-        (["--policies", "snapkv:aggregation=lse"], "a variant is beacon:OPTION=VALUE"),
-        (["--policies", "beacon:n_beacon=3"], "a variant is beacon:OPTION=VALUE"),
+        (["--policies", "snapkv:aggregation=lse"], "a variant is POLICY:OPTION=VALUE"),
+        (["--policies", "beacon:n_beacon=3"], "a variant is POLICY:OPTION=VALUE"),
         (["--policies", "beacon:top_m=many"], "top_m=many is not a valid int"),
         (["--policies", "beacon:lazy_refresh=maybe"], "lazy_refresh=maybe is not a valid bool"),
-        (["--policies", "beacon:store=256"], "a variant is beacon:OPTION=VALUE"),
+        (["--policies", "beacon:store=256"], "a variant is POLICY:OPTION=VALUE"),
         (["--policies", "beacon:heads_agree=0"], "--kv-heads-agree must be >= 1"),
         (["--policies", "beacon:aggregation=median"], "unknown --kv-aggregation"),
     ],
@@ -373,3 +373,16 @@ def test_a_results_file_of_another_version_or_task_is_one_clear_error(tmp_path, 
 def test_humaneval_budgets_given_twice_run_once(tiny_folder, tmp_path):
     config = evaluate.parse_args(["--task", "humaneval", "--model", str(tiny_folder), "--budgets", "32,16,32", "--out", str(tmp_path)])
     assert config.budgets == (16, 32)
+
+
+def test_a_policy_with_a_store_runs_beside_the_policy_alone_resumed_from_the_same_snapshot(tiny_folder, tiny_model):
+    """snapkv:store_slots=...: the same policy demoting into a store; resumed from the full cache's
+    snapshot, it gives the tokens of a run from the start, and its cells count the store's bytes."""
+    variant = "snapkv:store_slots=32:recall_pages=1"
+    config = small_config(tiny_folder, policies=("snapkv", variant))
+    batch = random_batch()
+    runs = {}
+    run_all(tiny_model, batch, config, lambda run: runs.setdefault(run.policy, run))
+    alone, _ = run_from_start(tiny_model, batch, config.compression(variant, 10))
+    assert runs[variant].predicted.tolist() == alone.predicted.tolist()
+    assert runs[variant].kv_cache_bytes > runs["snapkv"].kv_cache_bytes
