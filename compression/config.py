@@ -4,6 +4,7 @@ from dataclasses import dataclass, replace
 
 from errors import UserError
 
+STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4")  # models/kv_quant.py's storage names
 STORE_PAGE = 16  # demoted slots per page of the store: each page has one summary, and is recalled whole
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
@@ -49,6 +50,8 @@ class CompressionConfig:
                 raise UserError("--kv-store holds what a policy evicts: add a --kv-policy")
             if self.store_slots < 0 or self.store_slots % STORE_PAGE:
                 raise UserError(f"--kv-store must be a multiple of its page of {STORE_PAGE} slots, got {self.store_slots}")
+            if self.store_dtype not in STORE_DTYPES:
+                raise UserError(f"unknown --kv-store-dtype {self.store_dtype!r}; choose one of {', '.join(STORE_DTYPES)}")
             if not 1 <= self.recall_pages <= self.store_slots // STORE_PAGE:
                 raise UserError(f"--kv-recall must be between 1 and the store's {self.store_slots // STORE_PAGE} pages, got {self.recall_pages}")
 

@@ -168,8 +168,25 @@ def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
         assert compiled.tokens == eager.tokens, kv_dtype
 
 
-def test_a_float_cache_of_another_dtype_is_read_in_the_models():
-    """--kv-dtype bf16 under a float32 model: the cache holds bfloat16, attention runs in float32."""
+def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, monkeypatch):
+    """--kv-dtype bf16 under a float32 model: the cache holds bfloat16 and attention runs in float32
+    on its values: the logits of a float32 cache whose writes are rounded to bfloat16 first."""
+    import models.kv_layers
+    from engine.decode import prefill
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompt = prompts_of([9], seed=6)
+    cache = KVCache.allocate(model.config, 1, 9, kv_storage("bf16", torch.float32)[0], CPU)
+    assert cache.k.dtype == torch.bfloat16
+    logits = prefill(model, cache, prompt)
+    assert logits.dtype == torch.float32
+
+    def rounded_store(kv, index, values):
+        kv[index] = values.to(torch.bfloat16).float()
+
+    monkeypatch.setattr(models.kv_layers, "kv_store", rounded_store)
+    reference = prefill(model, KVCache.allocate(model.config, 1, 9, torch.float32, CPU), prompt)
+    assert torch.equal(logits, reference)
     assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None)
     assert kv_storage("auto", torch.bfloat16) == (torch.bfloat16, None)
     assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, 4)

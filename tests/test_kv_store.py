@@ -127,5 +127,7 @@ def test_bad_store_options_get_one_clear_error():
         CompressionConfig(store_slots=32)
     with pytest.raises(UserError, match="multiple of its page of 16"):
         CompressionConfig(**EVICTING, store_slots=40)
+    with pytest.raises(UserError, match="unknown --kv-store-dtype 'int2'"):
+        CompressionConfig(**EVICTING, store_slots=32, store_dtype="int2", recall_pages=1)
     with pytest.raises(UserError, match="--kv-recall must be between 1 and the store's 2 pages"):
         CompressionConfig(**EVICTING, store_slots=32, recall_pages=3)
