@@ -59,11 +59,11 @@ from pathlib import Path
 
 import torch
 
-from compression.config import AGGREGATIONS, POLICIES, VARIANT_OPTIONS, CompressionConfig, with_variant
+from compression.config import AGGREGATIONS, POLICIES, STORE_OPTIONS, VARIANT_OPTIONS, CompressionConfig, with_variant
 from errors import UserError, run_command
 from evaluation.coding import HumanEvalConfig, evaluate_humaneval, read_humaneval
 from evaluation.coding_report import write as write_humaneval
-from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, TASKS, EvalConfig
+from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, TASKS, EvalConfig, split_storage
 from evaluation.harness import evaluate
 from evaluation.report import read_results, write
 from evaluation.humaneval import LAST_PROBLEM, check_range
@@ -101,7 +101,9 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p.add_argument(
         "--policies",
         help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference. "
-        f"A BeaconKV variant, for an ablation against plain BeaconKV: beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}",
+        f"A BeaconKV variant, for an ablation against plain BeaconKV: beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}; "
+        f"any policy with a store ({', '.join(STORE_OPTIONS)}) or its cache in other storage (kv_dtype=int8|int4|bf16|f16|f32), e.g. "
+        "streaming:kv_dtype=int4:store_slots=256; the full cache in other storage: none:kv_dtype=int4",
     )
     p.add_argument("--budgets", help="comma-separated generated tokens kept by a compaction; for retrieval a number below 1 is a fraction of --length (default retrieval 0.05,0.1,0.25, --quick 0.1; humaneval 16,32,64, --quick 16)")
     p.add_argument("--hysteresis", type=int, help="compact when the kept part exceeds budget + this (default 16; --quick: 8)")
@@ -177,7 +179,7 @@ def _policies(text: str) -> tuple[str, ...]:
     specs = [x.strip() for x in text.split(",") if x.strip()]
     variants = tuple(dict.fromkeys(x for x in specs if ":" in x))
     for variant in variants:
-        with_variant(CompressionConfig(), variant)
+        with_variant(CompressionConfig(), split_storage(variant)[0])
     return _names(",".join(x for x in specs if ":" not in x) or "none", POLICIES, "--policies") + variants
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compression.config import CompressionConfig, with_variant
+from errors import UserError
+from models.kv_quant import KV_BITS, KV_DTYPES
 
 TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
 
@@ -52,8 +54,27 @@ class EvalConfig:
 
     def compression(self, policy: str, budget: int) -> CompressionConfig:
         base = CompressionConfig("beacon", budget, self.hysteresis, self.window, self.n_beacon, self.n_recent, self.aggregation, seed=self.seed)
-        return with_variant(base, policy)  # a policy, or a BeaconKV variant
+        return with_variant(base, split_storage(policy)[0])  # a policy, or a variant of one
 
     def first_compaction(self, budget: int) -> int:
         """Decode steps after which any policy with this budget compacts for the first time."""
         return budget + self.hysteresis + self.window + 1
+
+
+def split_storage(spec: str) -> tuple[str, str]:
+    """A cell's policy spec, and how its cache stores keys and values (--kv-dtype):
+    "streaming:kv_dtype=int4:store_slots=256" -> ("streaming:store_slots=256", "int4"). The full
+    cache in another storage is "none:kv_dtype=int8"."""
+    name, *settings = spec.split(":")
+    kept, kv_dtype = [name], "auto"
+    for setting in settings:
+        option, _, value = setting.partition("=")
+        if option != "kv_dtype":
+            kept.append(setting)
+        elif value not in (*KV_DTYPES, *KV_BITS):
+            raise UserError(f"policy {spec!r}: kv_dtype={value} is not a KV storage; choose one of {', '.join([*KV_DTYPES, *KV_BITS])}")
+        else:
+            kv_dtype = value
+    if name == "none" and (len(kept) > 1 or kv_dtype == "auto"):
+        raise UserError(f"policy {spec!r}: the full cache runs anyway; 'none:kv_dtype=int8' runs it in another storage, and takes no other option")
+    return ":".join(kept), kv_dtype

@@ -117,8 +117,9 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
 def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokenizer, full: Run, budget: int | None, run: Run | None) -> None:
     """Tasks 1, 3, 4 and 5: the full cache's own numbers (budget None), or one policy's at a budget."""
     traces, text, free = batch.indices("trace"), batch.indices("text"), batch.indices("continuation")
+    full_bf16_bytes = full.kv_cache_bytes * torch.bfloat16.itemsize // DTYPES[config.dtype].itemsize
     if budget is None:
-        results.put("cost", "none", None, cost(full, len(batch.rows)))
+        results.put("cost", "none", None, cost(full, len(batch.rows), full_bf16_bytes))
         results.samples = [tokenizer.decode(full.predicted[b].tolist()) for b in free]
         if traces and "retrieval" in config.tasks:
             results.put("retrieval", "none", None, retrieval(full, batch, tokenizer))
@@ -129,7 +130,7 @@ def score(results: Results, batch: Batch, config: EvalConfig, tokenizer: Tokeniz
     if text and "loss" in config.tasks:
         results.put("loss", "none", budget, streaming_loss(full, full, text, after))
         results.put("loss", run.policy, budget, streaming_loss(run, full, text, after))
-    results.put("cost", run.policy, budget, cost(run, len(batch.rows)))
+    results.put("cost", run.policy, budget, cost(run, len(batch.rows), full_bf16_bytes))
     if traces and "retrieval" in config.tasks:
         results.put("retrieval", run.policy, budget, retrieval(run, batch, tokenizer))
     if free and "continuation" in config.tasks:

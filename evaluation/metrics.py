@@ -79,9 +79,10 @@ class CostResult:
     kv_cache_mib: float  # the whole batch's static cache
     query_buffer_mib: float
     rows: int
+    kv_share: float = float("nan")  # its bytes (codes, scales, store and its page summaries) over a full cache's in bf16
 
 
-def cost(run: Run, rows: int) -> CostResult:
+def cost(run: Run, rows: int, full_bf16_bytes: int) -> CostResult:
     def mean_ms(xs: list[float]) -> float:
         return 1000 * sum(xs) / len(xs) if xs else float("nan")
 
@@ -93,6 +94,7 @@ def cost(run: Run, rows: int) -> CostResult:
         run.kv_cache_bytes / 2**20,
         run.query_buffer_bytes / 2**20,
         rows,
+        run.kv_cache_bytes / full_bf16_bytes,
     )
 
 

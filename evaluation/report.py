@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from errors import UserError
+from evaluation.bytes_report import bytes_tables, plot_bytes
 from evaluation.future_attention import RecallShares
 from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
 from evaluation.saving import write_atomically
-from evaluation.statistics import holm, mcnemar, wilson
+from evaluation.statistics import holm, interval_text, mcnemar, wilson
 from evaluation.tasks import DISTANCE_BUCKETS
 
 
@@ -30,7 +31,7 @@ COLUMNS = {
         "greedy decoding writes a value stated once in the trace, 100 to 3000 tokens before the recall; recalls "
         "recalled / asked, then the Wilson 95% interval, then the share of the (layer, KV head) caches that still "
         "held every token of the value at the recall",
-        lambda r: f"{r.success:.0%} {sum(r.hits)}/{len(r.hits)} {_interval(sum(r.hits), len(r.hits))}; {r.kept_mean:.0%}",
+        lambda r: f"{r.success:.0%} {sum(r.hits)}/{len(r.hits)} {interval_text(sum(r.hits), len(r.hits))}; {r.kept_mean:.0%}",
         "retrieval: share of facts recalled (95% CI)",
         lambda r: r.success,
     ),
@@ -65,12 +66,12 @@ COLUMNS = {
     "cost": Column(
         "Cost",
         "decode tokens/s of the whole batch (compactions and refreshes included) / ms per compaction / "
-        "ms per FPS refresh (BeaconKV) / KV cache MiB of the batch",
+        "ms per FPS refresh (BeaconKV) / KV cache MiB of the batch (its share of a full bf16 cache's bytes)",
         lambda r: " / ".join(
             [f"{r.tokens_per_s:.1f} tok/s"]
             + ([f"{r.ms_per_compaction:.0f} ms"] if r.ms_per_compaction == r.ms_per_compaction else [])
             + ([f"{r.ms_per_refresh:.1f} ms"] if r.ms_per_refresh == r.ms_per_refresh else [])
-            + [f"{r.kv_cache_mib:.1f} MiB"]
+            + [f"{r.kv_cache_mib:.1f} MiB" + (f" ({r.kv_share:.1%} of bf16's)" if r.kv_share == r.kv_share else "")]
         ),
         "cost: decode tokens/s of the batch",
         lambda r: r.tokens_per_s,
@@ -91,11 +92,6 @@ def table(results: Results, task: str) -> str:
         if any(cells):
             lines.append(f"| {'full cache' if policy == 'none' else policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _interval(k: int, n: int) -> str:
-    low, high = wilson(k, n)
-    return f"[{low:.0%}, {high:.0%}]"
 
 
 def _bucket(distance: int) -> int:
@@ -135,7 +131,7 @@ def retrieval_tables(results: Results) -> str:
             cells = []
             for bucket in [*range(len(buckets)), None]:
                 hits = _recalls(result, hinted, bucket)
-                cells.append(f"{sum(hits)}/{len(hits)} {_interval(sum(hits), len(hits))}" if hits else "")
+                cells.append(f"{sum(hits)}/{len(hits)} {interval_text(sum(hits), len(hits))}" if hits else "")
             lines.append(f"| {name} | {budget} | " + " | ".join(cells) + " |")
         lines.append("")
     if "beacon" in policies:
@@ -189,7 +185,7 @@ def markdown(results: Results) -> str:
     tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
     tables = [table(results, task) for task in tasks]
     if "retrieval" in c["tasks"]:
-        tables.insert(1, retrieval_tables(results))
+        tables[1:1] = [retrieval_tables(results), bytes_tables(results)]
     return "\n".join(lines) + "\n\n" + "\n".join(t for t in tables if t)
 
 
@@ -273,4 +269,5 @@ def write(results: Results, out: Path) -> str:
     (out / "results.md").write_text(text)
     write_atomically(out / "results.json", json.dumps(_finite(asdict(results)), indent=1))
     plot(results, out / "quality_vs_budget.png")
+    plot_bytes(results, out / "quality_vs_bytes.png")
     return text

@@ -25,8 +25,9 @@ from engine.decode import decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.kv_store import KVStore
 from engine.sampling import SamplingConfig
-from evaluation.config import EvalConfig
+from evaluation.config import EvalConfig, split_storage
 from evaluation.tasks import Row
+from models.kv_quant import kv_storage
 from models.transformer import Transformer
 
 CPU = torch.device("cpu")
@@ -91,10 +92,11 @@ class Run:
     query_buffer_bytes: int
 
 
-def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int) -> State:
-    """Prefill the prompts into a fresh cache of n_slots slots, with a manager for `compression`."""
+def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int, kv_dtype: str = "auto") -> State:
+    """Prefill the prompts into a fresh cache of n_slots slots stored as `kv_dtype`, with a manager for `compression`."""
     B = len(batch.rows)
-    cache = KVCache.allocate(model.config, B, n_slots, model.dtype, CPU)
+    dtype, bits = kv_storage(kv_dtype, model.dtype)
+    cache = KVCache.allocate(model.config, B, n_slots, dtype, CPU, bits=bits)
     cache.store = KVStore.for_compression(model.config, B, compression, model.dtype, CPU)
     manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     logits = prefill(model, cache, batch.prompts, compression=manager).float()
@@ -206,9 +208,9 @@ def advance(
             snapshots[state.step] = snapshot(state)
 
 
-def run_from_start(model: Transformer, batch: Batch, compression: CompressionConfig) -> tuple[State, list[Compaction]]:
+def run_from_start(model: Transformer, batch: Batch, compression: CompressionConfig, kv_dtype: str = "auto") -> tuple[State, list[Compaction]]:
     """One policy over the whole batch without a snapshot (the tests compare it with resuming)."""
-    state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
+    state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length), kv_dtype)
     _, _, compactions = advance(model, state, batch)
     return state, compactions
 
@@ -243,19 +245,27 @@ def run_all(
     full, snapshots = full_pass or full_cache_pass(model, batch, config)
     on_run(full)
     cells = [(policy, budget) for budget in config.budgets for policy in config.policies if (policy, budget) not in done]
+    once: dict[str, Run] = {}  # the full cache in another storage, which compacts at no budget: one run stands for all
     for i, (policy, budget) in enumerate(cells):
         first = config.first_compaction(budget)
-        if first > n_steps:
+        spec, kv_dtype = split_storage(policy)
+        compression = recorder(config, batch) if spec == "none" else config.compression(policy, budget)
+        if first > n_steps and kv_dtype == "auto":
             log(f"  {policy} budget={budget}: never compacts within {n_steps} steps, so it is the full cache")
             on_run(replace(full, policy=policy, budget=budget))
             continue
-        compression = config.compression(policy, budget)
-        if differs_before_compacting(compression, recorder(config, batch)):
-            first = 0
-            state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length))
+        if policy in once:
+            on_run(replace(once[policy], budget=budget))
+            continue
+        if kv_dtype != "auto" or differs_before_compacting(compression, recorder(config, batch)):
+            first = 0  # a quantized cache differs from the first token on
+            state = start(model, batch, compression, compression.slots_needed(max(map(len, batch.prompts)), batch.length), kv_dtype)
         else:
             state = resume(model, snapshots[first], compression, batch.length)
         seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
-        on_run(Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.buffer.queries.nbytes))
+        run = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.buffer.queries.nbytes)
+        if spec == "none":
+            once[policy] = run
+        on_run(run)
         log(f"  [{i + 1}/{len(cells)}] {policy} budget={budget}: {n_steps - first} steps, {m.stats.compactions} compactions, {seconds:.0f} s")

@@ -25,6 +25,12 @@ def wilson(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def interval_text(successes: int, n: int) -> str:
+    """The interval as a table shows it: "[41%, 60%]"."""
+    low, high = wilson(successes, n)
+    return f"[{low:.0%}, {high:.0%}]"
+
+
 @dataclass(frozen=True)
 class Paired:
     only_a: int  # items A got right and B wrong

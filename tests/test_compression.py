@@ -256,28 +256,41 @@ def test_bad_compression_options_are_refused():
         CompressionConfig(heads_agree=0)
 
 
-def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint):
-    """The cache and every tensor the manager keeps: the same storages and the same bytes after
-    the first compaction and after many more, so a long run's memory cannot grow with its tokens."""
+@pytest.mark.parametrize("kv_dtype, store_slots", [("auto", 0), ("int4", 32)])
+def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint, kv_dtype, store_slots):
+    """The cache (its codes and scales when quantized), the store of demoted slots, and every tensor
+    the manager keeps: the same storages and the same bytes after the first compaction and after
+    many more (the store's ring wraps several times), so a long run's memory cannot grow with its tokens."""
     from engine.generation import Session
+    from models.kv_quant import kv_parts
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, torch.device("cpu"))
-    config = CompressionConfig(policy="beacon", budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
-    session = Session(model, 2, config.slots_needed(9, 10_000), eos_ids=frozenset(), compression=config)
+    config = CompressionConfig(policy="beacon", budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6, store_slots=store_slots, recall_pages=1)
+    session = Session(model, 2, config.slots_needed(9, 10_000), eos_ids=frozenset(), compression=config, kv_dtype=kv_dtype)
     session.prefill([[5] * 9, [7] * 6])
 
     def held() -> dict[str, tuple[int, int]]:
         manager = session.manager
-        owners = {"cache": session.cache, "manager": manager, "buffer": manager.buffer, "positions": manager.positions}
-        tensors = {f"{owner}.{k}": v for owner, o in owners.items() for k, v in vars(o).items() if isinstance(v, torch.Tensor)}
+        owners = {"cache": session.cache, "store": session.cache.store, "manager": manager, "buffer": manager.buffer, "positions": manager.positions}
+        tensors = {
+            f"{owner}.{k}.{i}": t
+            for owner, o in owners.items()
+            if o is not None
+            for k, v in vars(o).items()
+            if isinstance(v, (torch.Tensor, tuple))
+            for i, t in enumerate(kv_parts(v) if not isinstance(v, torch.Tensor) else [v])
+        }
         return {name: (t.untyped_storage().data_ptr(), t.nbytes) for name, t in tensors.items()}
 
     while session.stats.compactions < 1:
         session.step()
     after_first = held()
+    assert any(name.startswith("store.") for name in after_first) == bool(store_slots)
     while session.stats.compactions < 40:
         session.step()
     assert held() == after_first
+    if store_slots:
+        assert bool(session.cache.store.filled.all())
     assert session.manager.generated <= config.budget_max + config.window
 
 

@@ -14,7 +14,9 @@ import evaluate
 from compression.config import POLICIES, CompressionConfig
 from evaluation import full_pass
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
+from evaluation.bytes_report import bytes_tables, dominance_table, points
 from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
+from evaluation.metrics import CostResult, Results, RetrievalResult
 from evaluation.runs import Batch, Compaction, full_cache_pass, recorder, run_all, run_from_start
 from evaluation.saving import sole_writer
 from evaluation.tasks import DISTANCE_BUCKETS, Row, reasoning_trace
@@ -62,14 +64,18 @@ def small_config(folder: Path, budget: int = 10, **overrides) -> EvalConfig:
 
 def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
     # The tiny tokenizer spends ~3x the tokens of a real one on a line: longer streams than --quick's.
-    code = evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join(POLICIES), "--length", "330", "--out", str(tmp_path)])
+    combination, quantized = "streaming:kv_dtype=int4:store_slots=32:recall_pages=1", "none:kv_dtype=int8"
+    code = evaluate.main(["--model", str(tiny_folder), "--quick", "--policies", ",".join([*POLICIES, combination, quantized]), "--length", "330", "--out", str(tmp_path)])
     captured = capsys.readouterr()
     out = captured.out
     assert code == 0, captured.err
-    for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost"):
+    for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost", "Quality against KV bytes"):
         assert title in out
+    assert "| streaming + int4 cache + int4 store 32 + recall_pages=1 | 33 |" in out
+    assert "| full cache + int8 cache |  | 62.5% |" in out  # (16 bytes of codes + 4 of scales) / 32, head_dim 16
     assert (tmp_path / "results.md").read_text() + "\n" == out
-    assert (tmp_path / "quality_vs_budget.png").stat().st_size > 10_000
+    for plot in ("quality_vs_budget.png", "quality_vs_bytes.png"):
+        assert (tmp_path / plot).stat().st_size > 10_000
     data = json.loads((tmp_path / "results.json").read_text())
     budget = str(round(QUICK_COMPRESSION[0][0] * 330))
     for policy in POLICIES[1:]:
@@ -386,3 +392,78 @@ def test_a_policy_with_a_store_runs_beside_the_policy_alone_resumed_from_the_sam
     alone, _ = run_from_start(tiny_model, batch, config.compression(variant, 10))
     assert runs[variant].predicted.tolist() == alone.predicted.tolist()
     assert runs[variant].kv_cache_bytes > runs["snapkv"].kv_cache_bytes
+
+
+def test_a_cell_on_a_quantized_cache_is_the_engine_run_with_that_cache_and_counts_its_bytes(tiny_folder, tiny_model):
+    """streaming:kv_dtype=int4 runs the policy on an int4 cache from the first token; none:kv_dtype=int8
+    is the full cache in int8, run once for every budget; each cell's share of the bytes of a full
+    bf16 cache is hand-checked: head_dim 16 is one group, so a slot of K or V is 16 or 8 bytes of
+    codes plus a float16 step and minimum (4 bytes), against 32 bytes in bf16."""
+    config = small_config(tiny_folder, policies=("streaming", "streaming:kv_dtype=int4", "none:kv_dtype=int8"), budgets=(10, 12))
+    batch = random_batch()
+    runs = {}
+    run_all(tiny_model, batch, config, lambda run: runs.setdefault((run.policy, run.budget), run))
+    assert tiny_model.config.head_dim == 16
+    alone, _ = run_from_start(tiny_model, batch, config.compression("streaming", 10), kv_dtype="int4")
+    assert runs[("streaming:kv_dtype=int4", 10)].predicted.tolist() == alone.predicted.tolist()
+    assert runs[("streaming:kv_dtype=int4", 10)].predicted.tolist() != runs[("streaming", 10)].predicted.tolist()
+    full_int8, _ = run_from_start(tiny_model, batch, recorder(config, batch), kv_dtype="int8")
+    for budget in (10, 12):
+        assert runs[("none:kv_dtype=int8", budget)].predicted.tolist() == full_int8.predicted.tolist()
+        assert runs[("none:kv_dtype=int8", budget)].compactions == []
+    full = runs[("none", None)]
+    bf16_bytes = full.kv_cache_bytes // 2  # the run is float32
+    assert runs[("none:kv_dtype=int8", 10)].kv_cache_bytes / bf16_bytes == (16 + 4) / 32
+    slots = config.compression("streaming", 10).slots_needed(max(map(len, batch.prompts)), batch.length)
+    assert runs[("streaming:kv_dtype=int4", 10)].kv_cache_bytes / bf16_bytes == slots * (8 + 4) / (batch.n_positions * 32)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("streaming:kv_dtype=int3", "kv_dtype=int3 is not a KV storage"),
+        ("none:store_slots=32", "the full cache runs anyway"),
+        ("none:kv_dtype=auto", "kv_dtype=auto is not a KV storage"),
+    ],
+)
+def test_a_bad_storage_in_a_cell_is_one_clear_error(tiny_folder, tmp_path, capsys, spec, message):
+    assert evaluate.main(["--model", str(tiny_folder), "--out", str(tmp_path), "--policies", f"streaming,{spec}"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_each_combination_is_tested_against_the_cheapest_cell_of_each_single_technique_with_as_many_bytes():
+    """Hand-made cells: the int4 streaming cell (16% of the bytes) pairs with streaming alone at
+    its cheaper budget that holds more (30%, not 50%) and with the int4 full cache (31%); on ten
+    items, hand-counted, it recalls 5 the first misses and misses 3 it recalls, and misses 3 the
+    second recalls while recalling none it misses."""
+
+    def cell(hits: list[bool]) -> RetrievalResult:
+        return RetrievalResult(sum(hits) / len(hits), hits, [100] * len(hits), [], [False] * len(hits))
+
+    def cost(share: float) -> CostResult:
+        return CostResult(1.0, float("nan"), float("nan"), 1.0, 0.0, 1, share)
+
+    T, F = True, False
+    results = Results("tiny", {})
+    shares_and_hits = {
+        ("none", "full"): (1.0, [T] * 10),
+        ("streaming", "10"): (0.30, [T, T, T] + [F] * 7),
+        ("streaming", "20"): (0.50, [T] * 6 + [F] * 4),
+        ("none:kv_dtype=int4", "10"): (0.3125, [T] * 8 + [F] * 2),
+        ("none:kv_dtype=int4", "20"): (0.3125, [T] * 8 + [F] * 2),
+        ("streaming:kv_dtype=int4", "20"): (0.16, [F, F, F, T, T, T, T, T, F, F]),
+    }
+    for (spec, budget), (share, hits) in shares_and_hits.items():
+        results.cost.setdefault(spec, {})[budget] = cost(share)
+        results.retrieval.setdefault(spec, {})[budget] = cell(hits)
+    found = points(results)
+    assert [(p.spec, p.budget) for p in found] == [
+        ("streaming:kv_dtype=int4", "20"), ("streaming", "10"), ("none:kv_dtype=int4", "10"), ("streaming", "20"), ("none", "full"),
+    ]  # fmt: skip
+    assert [p.technique for p in found] == ["combination", "single", "single", "single", "full"]
+    table = dominance_table(found).splitlines()[6:]
+    assert table == [
+        "| streaming + int4 cache | 20 | 16.0% | streaming | 10 | 30.0% | 5/3 | 0.73 |",
+        "| streaming + int4 cache | 20 | 16.0% | full cache + int4 cache |  | 31.2% | 0/3 | 0.25 |",
+    ]
+    assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (16.0%), 5 of the full cache's 10 (50%)." in bytes_tables(results)
