@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evaluation.config import split_storage
-from evaluation.metrics import LossResult, Results, RetrievalResult
+from evaluation.metrics import LossResult, Results
 from evaluation.statistics import holm, interval_text, mcnemar, wilson
 
 GOAL_SHARES = (0.10, 0.25)  # issue 29's byte budgets: recall there, as a share of the full cache's
@@ -22,8 +22,8 @@ class Point:
     spec: str  # "none", "streaming", "streaming:kv_dtype=int4:store_slots=256", ...
     budget: str  # generated tokens kept, or "full"
     share: float  # of a full bf16 cache's bytes
-    retrieval: RetrievalResult | None
-    loss: LossResult | None
+    outcomes: list[bool] | None  # per recall (retrieval) or per problem (HumanEval): right or not
+    loss: LossResult | None = None
 
     @property
     def technique(self) -> str:
@@ -32,10 +32,6 @@ class Point:
             return "full"
         policy, kv_dtype = split_storage(self.spec)
         return "single" if policy == "none" or (kv_dtype == "auto" and "store_slots" not in policy) else "combination"
-
-    @property
-    def recalls(self) -> list[bool]:
-        return self.retrieval.hits if self.retrieval is not None else []
 
 
 def label(spec: str) -> str:
@@ -53,49 +49,50 @@ def label(spec: str) -> str:
 
 
 def points(results: Results) -> list[Point]:
-    """Every cell with a measured share, by bytes; the full cache in another storage once (it
-    compacts at no budget)."""
+    """A retrieval run's cells with a measured share, by bytes; the full cache in another storage
+    once (it compacts at no budget)."""
     found, seen = [], set()
     for spec, by_budget in results.cost.items():
         for budget, cost in by_budget.items():
-            if cost.kv_share != cost.kv_share or (spec.startswith("none:") and spec in seen):
+            retrieval = results.retrieval.get(spec, {}).get(budget)
+            if cost.kv_share != cost.kv_share or retrieval is None or (spec.startswith("none:") and spec in seen):
                 continue
             seen.add(spec)
-            found.append(Point(spec, budget, cost.kv_share, results.retrieval.get(spec, {}).get(budget), results.loss.get(spec, {}).get(budget)))
+            found.append(Point(spec, budget, cost.kv_share, retrieval.hits, results.loss.get(spec, {}).get(budget)))
     return sorted(found, key=lambda p: (p.share, p.spec))
 
 
-def bytes_tables(results: Results) -> str:
-    found = points(results)
-    full = next((p for p in found if p.spec == "none" and p.retrieval is not None), None)
+def bytes_tables(found: list[Point], items: str) -> str:
+    """The table of quality against bytes, the best cell under each goal's bytes, and the paired
+    tests; `items` names what the outcomes count ("recalls", "problems")."""
+    full = next((p for p in found if p.spec == "none"), None)
     if full is None or len(found) < 2:
         return ""
-    asked = len(full.recalls)
+    asked, full_right = len(full.outcomes), sum(full.outcomes)
+    with_loss = any(p.loss is not None for p in found)
     lines = [
         "### Quality against KV bytes",
         "",
         "every cell at its bytes (codes, scales, store and its page summaries) as a share of the full cache's in bf16; "
-        "facts recalled / asked with the Wilson 95% interval, and as a share of the full cache's recalls"
-        + ("; streaming-loss NLL increase over the full cache" if results.loss else ""),
+        f"{items} right / asked with the Wilson 95% interval, and as a share of the full cache's"
+        + ("; streaming-loss NLL increase over the full cache" if with_loss else ""),
         "",
-        "| cell | budget | KV bytes | recalls | of the full cache's |" + (" NLL increase |" if results.loss else ""),
-        "|---|---|---|---|---|" + ("---|" if results.loss else ""),
+        f"| cell | budget | KV bytes | {items} | of the full cache's |" + (" NLL increase |" if with_loss else ""),
+        "|---|---|---|---|---|" + ("---|" if with_loss else ""),
     ]
-    full_hits = sum(full.recalls)
     for p in found:
-        hits = sum(p.recalls)
-        loss = f" {p.loss.delta:+.3f} |" if p.loss is not None else (" |" if results.loss else "")
-        budget = "" if p.spec.startswith("none") else p.budget
-        lines.append(f"| {label(p.spec)} | {budget} | {p.share:.1%} | {hits}/{asked} {interval_text(hits, asked)} | {_of(hits, full_hits)} |{loss}")
+        right = sum(p.outcomes)
+        loss = (f" {p.loss.delta:+.3f} |" if p.loss is not None else " |") if with_loss else ""
+        lines.append(f"| {label(p.spec)} | {_budget(p)} | {p.share:.1%} | {right}/{asked} {interval_text(right, asked)} | {_of(right, full_right)} |{loss}")
     lines.append("")
     for goal in GOAL_SHARES:
-        within = [p for p in found if p.share <= goal and p.retrieval is not None]
+        within = [p for p in found if p.share <= goal]
         if within:
-            best = max(within, key=lambda p: sum(p.recalls))
+            best = max(within, key=lambda p: sum(p.outcomes))
+            at = f" at budget {best.budget}" if _budget(best) else ""
             lines.append(
-                f"- At {goal:.0%} of the bytes or less, the most recalls: {label(best.spec)}"
-                + (f" at budget {best.budget}" if not best.spec.startswith("none") else "")
-                + f" ({best.share:.1%}), {sum(best.recalls)} of the full cache's {full_hits} ({_of(sum(best.recalls), full_hits)})."
+                f"- At {goal:.0%} of the bytes or less, the most {items}: {label(best.spec)}{at} ({best.share:.1%}), "
+                f"{sum(best.outcomes)} against the full cache's {full_right} ({_of(sum(best.outcomes), full_right)})."
             )
     return "\n".join(lines + ["", dominance_table(found)])
 
@@ -105,41 +102,39 @@ def dominance_table(found: list[Point]) -> str:
     many bytes: McNemar's exact test on the same recalls, Holm over the whole table."""
     singles: dict[str, list[Point]] = {}
     for p in found:
-        if p.technique == "single" and p.retrieval is not None:
+        if p.technique == "single":
             singles.setdefault(p.spec, []).append(p)
     pairs = []
-    for c in (p for p in found if p.technique == "combination" and p.retrieval is not None):
+    for c in (p for p in found if p.technique == "combination"):
         for cells in singles.values():
             richer = [s for s in cells if s.share >= c.share]
             if richer:
                 pairs.append((c, min(richer, key=lambda s: s.share)))
     if not pairs:
         return ""
-    tests = [mcnemar(c.recalls, s.recalls) for c, s in pairs]
+    tests = [mcnemar(c.outcomes, s.outcomes) for c, s in pairs]
     adjusted = holm([t.p_value for t in tests])
     lines = [
         "### Combinations against single techniques at no more bytes (McNemar's exact test)",
         "",
-        "each combination against the cheapest cell of each single technique that holds at least as many bytes: recalls only "
-        "the combination got / only the single technique got, the two-sided p-value, and * where the Holm-adjusted p over "
-        "this table is < 0.05. Recalls of one trace share its cache, so these p-values are optimistic for new traces.",
+        "each combination against the cheapest cell of each single technique that holds at least as many bytes: items (recalls "
+        "or problems) only the combination got right / only the single technique got right, the two-sided p-value, and * where the Holm-adjusted p over "
+        "this table is < 0.05.",
         "",
         "| combination | budget | KV bytes | single technique | budget | KV bytes | only combination / only single | p |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for (c, s), t, a in zip(pairs, tests, adjusted):
-        single_budget = "" if s.spec.startswith("none") else s.budget
         lines.append(
-            f"| {label(c.spec)} | {c.budget} | {c.share:.1%} | {label(s.spec)} | {single_budget} | {s.share:.1%} | "
+            f"| {label(c.spec)} | {c.budget} | {c.share:.1%} | {label(s.spec)} | {_budget(s)} | {s.share:.1%} | "
             f"{t.only_a}/{t.only_b} | {t.p_value:.2g}{' *' if a < 0.05 else ''} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot_bytes(results: Results, path: Path) -> bool:
-    """Recall against bytes, one line per cell kind over its budgets, Wilson intervals as error
-    bars; False when there is nothing to plot."""
-    found = [p for p in points(results) if p.retrieval is not None]
+def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> bool:
+    """The share of `items` right against bytes, one line per cell kind over its budgets, Wilson
+    intervals as error bars; False when there is nothing to plot."""
     if len(found) < 2:
         return False
     import matplotlib
@@ -151,8 +146,8 @@ def plot_bytes(results: Results, path: Path) -> bool:
     for spec in dict.fromkeys(p.spec for p in found):
         series = [p for p in found if p.spec == spec]
         shares = [p.share for p in series]
-        recalled = [sum(p.recalls) / len(p.recalls) for p in series]
-        intervals = [wilson(sum(p.recalls), len(p.recalls)) for p in series]
+        recalled = [sum(p.outcomes) / len(p.outcomes) for p in series]
+        intervals = [wilson(sum(p.outcomes), len(p.outcomes)) for p in series]
         style = {"single": "o--", "combination": "s-", "full": "k*"}[series[0].technique]
         line = ax.plot(shares, recalled, style, label=label(spec), markersize=9 if spec == "none" else 5)[0]
         below, above = [r - lo for r, (lo, _) in zip(recalled, intervals)], [hi - r for r, (_, hi) in zip(recalled, intervals)]
@@ -162,8 +157,8 @@ def plot_bytes(results: Results, path: Path) -> bool:
     ax.set_xscale("log")
     ax.set_xticks([0.05, 0.1, 0.25, 0.5, 1.0], ["5%", "10%", "25%", "50%", "100%"])
     ax.set_xlabel("KV bytes, share of the full bf16 cache's")
-    ax.set_ylabel("facts recalled (95% CI)")
-    ax.set_title(f"Recall against KV bytes, {results.model}", fontsize=10)
+    ax.set_ylabel(f"share of {items} right (95% CI)")
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
@@ -174,3 +169,8 @@ def plot_bytes(results: Results, path: Path) -> bool:
 
 def _of(hits: int, full_hits: int) -> str:
     return f"{hits / full_hits:.0%}" if full_hits else "-"
+
+
+def _budget(p: Point) -> str:
+    """A cell's budget as the tables show it: none for the full cache in any storage."""
+    return "" if p.spec.startswith("none") else p.budget

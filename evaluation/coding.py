@@ -21,6 +21,8 @@ import torch
 from cli import DTYPES
 from compression.config import CompressionConfig, with_variant
 from engine.generation import generate
+from engine.kv_cache import KVCache
+from engine.kv_store import KVStore
 from engine.stop_strings import cut_at_stop
 from errors import UserError
 from evaluation.config import split_storage
@@ -29,6 +31,7 @@ from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
 from evaluation.saving import beacon_defaults, check_resumable, write_atomically
 from evaluation.tasks import chat_prompt
+from models.kv_quant import kv_storage
 from models.transformer import Transformer
 from weights.loader import load_model
 from weights.tokenizer import Tokenizer
@@ -71,6 +74,7 @@ class Cell:
     new_tokens: list[int]
     seconds: float  # generation, prefill included
     compactions: int
+    kv_share: float = float("nan")  # KV bytes the rows held at most (codes, scales, store), over their full caches' in bf16
 
     @property
     def pass_at_1(self) -> float:
@@ -134,7 +138,22 @@ def run_cell(
             answers[i], new_tokens[i] = answer_text(tokenizer, tokens), len(tokens)
         compactions += result.compression.compactions if result.compression is not None else 0
     outcomes = run_programs([program(p, extract_code(a)) for p, a in zip(problems, answers)], config.timeout_s)
-    return Cell(policy, budget, [o.passed for o in outcomes], [o.reason for o in outcomes], new_tokens, seconds, compactions), answers
+    share = kv_share(model, compression, split_storage(policy)[1], [len(p) for p in prompts], new_tokens)
+    return Cell(policy, budget, [o.passed for o in outcomes], [o.reason for o in outcomes], new_tokens, seconds, compactions, share), answers
+
+
+def kv_share(model: Transformer, compression: CompressionConfig, kv_dtype: str, prompt_lengths: list[int], new_tokens: list[int]) -> float:
+    """The KV bytes the rows held at most, each with its own slots (as the paged cache holds them:
+    the prompt, and what is generated up to a compaction's limit) and its store, over the bytes of
+    their full caches in bf16 (prompt and answer)."""
+    meta = torch.device("meta")
+    dtype, bits = kv_storage(kv_dtype, model.dtype)
+    per_slot = KVCache.allocate(model.config, 1, 1, dtype, meta, bits=bits).nbytes
+    bf16_per_slot = KVCache.allocate(model.config, 1, 1, torch.bfloat16, meta).nbytes
+    store = KVStore.for_compression(model.config, 1, compression, model.dtype, meta)
+    limit = compression.slots_needed(0, max(new_tokens, default=0))  # generated slots a row holds at most
+    held = sum(p + min(n, limit) for p, n in zip(prompt_lengths, new_tokens)) * per_slot + len(new_tokens) * (store.nbytes if store else 0)
+    return held / (sum(prompt_lengths) + sum(new_tokens)) / bf16_per_slot
 
 
 def settings_of(config: HumanEvalConfig) -> dict:

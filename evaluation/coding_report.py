@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from evaluation.bytes_report import Point, bytes_tables, plot_bytes
 from evaluation.coding import PUBLISHED_PASS_AT_1, HumanEvalResults, cell_key, write_json
 from evaluation.statistics import holm, mcnemar, wilson
 
@@ -71,10 +72,24 @@ def markdown(results: HumanEvalResults) -> str:
                 for other in others
             ]
             lines.append(f"| {b} | " + " | ".join(row) + " |")
+    lines += ["", bytes_tables(points(results), "problems")]
     lines += ["", "### Cost", "", "generation seconds for all problems (prefill included), new tokens, compactions.", "", "| policy | budget | seconds | new tokens | compactions |", "|---|---|---|---|---|"]
     for key, cell in cells.items():
         lines.append(f"| {'full cache' if cell.budget is None else cell.policy} | {cell.budget or ''} | {cell.seconds:.0f} | {sum(cell.new_tokens)} | {cell.compactions} |")
     return "\n".join(lines) + "\n"
+
+
+def points(results: HumanEvalResults) -> list[Point]:
+    """The cells with a measured share of the bytes, by bytes; the full cache in another storage
+    once (it compacts at no budget)."""
+    found: dict[tuple[str, int | None], Point] = {}
+    for cell in results.cells.values():
+        if cell.kv_share != cell.kv_share:
+            continue
+        spec = "none" if cell.budget is None else cell.policy
+        key = (spec, None if spec.startswith("none") else cell.budget)
+        found.setdefault(key, Point(spec, str(cell.budget or "full"), cell.kv_share, cell.passed))
+    return sorted(found.values(), key=lambda p: (p.share, p.spec))
 
 
 def plot(results: HumanEvalResults, path: Path) -> None:
@@ -112,4 +127,5 @@ def write(results: HumanEvalResults, out: Path) -> str:
     text = markdown(results)
     (out / "results.md").write_text(text)
     plot(results, out / "pass_at_1.png")
+    plot_bytes(points(results), "problems", f"HumanEval 0-{results.config['last']} against KV bytes, {results.model}", out / "pass_at_1_vs_bytes.png")
     return text

@@ -75,6 +75,6 @@ def split_storage(spec: str) -> tuple[str, str]:
             raise UserError(f"policy {spec!r}: kv_dtype={value} is not a KV storage; choose one of {', '.join([*KV_DTYPES, *KV_BITS])}")
         else:
             kv_dtype = value
-    if name == "none" and (len(kept) > 1 or kv_dtype == "auto"):
+    if name == "none" and settings and (len(kept) > 1 or kv_dtype == "auto"):
         raise UserError(f"policy {spec!r}: the full cache runs anyway; 'none:kv_dtype=int8' runs it in another storage, and takes no other option")
     return ":".join(kept), kv_dtype

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from errors import UserError
-from evaluation.bytes_report import bytes_tables, plot_bytes
+from evaluation.bytes_report import bytes_tables, plot_bytes, points
 from evaluation.future_attention import RecallShares
 from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
 from evaluation.saving import write_atomically
@@ -185,7 +185,7 @@ def markdown(results: Results) -> str:
     tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
     tables = [table(results, task) for task in tasks]
     if "retrieval" in c["tasks"]:
-        tables[1:1] = [retrieval_tables(results), bytes_tables(results)]
+        tables[1:1] = [retrieval_tables(results), bytes_tables(points(results), "recalls")]
     return "\n".join(lines) + "\n\n" + "\n".join(t for t in tables if t)
 
 
@@ -269,5 +269,5 @@ def write(results: Results, out: Path) -> str:
     (out / "results.md").write_text(text)
     write_atomically(out / "results.json", json.dumps(_finite(asdict(results)), indent=1))
     plot(results, out / "quality_vs_budget.png")
-    plot_bytes(results, out / "quality_vs_bytes.png")
+    plot_bytes(points(results), "recalls", f"Retrieval against KV bytes, {results.model}", out / "quality_vs_bytes.png")
     return text

@@ -466,4 +466,4 @@ def test_each_combination_is_tested_against_the_cheapest_cell_of_each_single_tec
         "| streaming + int4 cache | 20 | 16.0% | streaming | 10 | 30.0% | 5/3 | 0.73 |",
         "| streaming + int4 cache | 20 | 16.0% | full cache + int4 cache |  | 31.2% | 0/3 | 0.25 |",
     ]
-    assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (16.0%), 5 of the full cache's 10 (50%)." in bytes_tables(results)
+    assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (16.0%), 5 against the full cache's 10 (50%)." in bytes_tables(found, "recalls")
