@@ -4,7 +4,7 @@ from dataclasses import dataclass, replace
 
 from errors import UserError
 
-STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4")  # models/kv_quant.py's storage names
+STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4", "k8v4")  # models/kv_quant.py's storage names
 STORE_PAGE = 16  # demoted slots per page of the store: each page has one summary, and is recalled whole
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")

@@ -1,8 +1,10 @@
 """A long compressed generation: does the resident set stay flat, and decode speed with it?
 
     python -m docs.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --new-tokens 32768
+    python -m docs.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --policy streaming --kv-store 1024
 
-Generates with BeaconKV (budget 512, hysteresis 128, window 32) and no EOS, in bfloat16, eager;
+Generates with a KV policy (BeaconKV by default; budget 512, hysteresis 128, window 32), with or
+without a store of demoted slots (--kv-store, int4) and no EOS, in bfloat16, eager;
 every 1024 tokens it prints the resident set (VmRSS) and the decode tok/s of those tokens.
 SmolLM2 knows 8192 positions: --rope-factor F runs it with dynamic NTK RoPE scaling over F times
 as many (a copy of the checkpoint's config; the text quality past 8192 is not the point here).
@@ -35,6 +37,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32768)
     p.add_argument("--rope-factor", type=float, default=5.0)
     p.add_argument("--every", type=int, default=1024)
+    p.add_argument("--policy", default="beacon")
+    p.add_argument("--kv-store", type=int, default=0, metavar="SLOTS", help="demote evictions into a store of this many slots (0: none)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
@@ -45,7 +49,7 @@ def main() -> None:
         model = load_model(folder, torch.bfloat16, torch.device("cpu"))
         tokenizer = Tokenizer.from_dir(folder)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
-    policy = CompressionConfig(policy="beacon", budget=512, hysteresis=128, window=32)
+    policy = CompressionConfig(policy=args.policy, budget=512, hysteresis=128, window=32, store_slots=args.kv_store)
     sampling = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
     marks: list[tuple[int, float, float]] = []  # (tokens, seconds, resident MiB)
     count = [0]
@@ -63,7 +67,7 @@ def main() -> None:
     with torch.inference_mode():
         result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, compression=policy)
     stats = result.compression
-    print(f"{result.new_tokens} tokens, {stats.compactions} compactions, KV cache {result.kv_cache_bytes / 2**20:.1f} MiB, "
+    print(f"{result.new_tokens} tokens, {stats.compactions} compactions, KV cache {result.kv_cache_bytes / 2**20:.1f} MiB (its store included), "
           f"decode {result.decode_steps / result.decode_s:.1f} tok/s overall")
 
 

@@ -16,7 +16,7 @@ from compression.compaction import compact_in_place
 from engine.kv_store import KVStore
 from models.config import ModelConfig
 from models.kv_layers import RowsLayer
-from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
+from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
 
 
 @dataclass
@@ -32,14 +32,13 @@ class KVCache:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, *, bits: int | None = None
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, *, bits: tuple[int, int] | None = None
     ) -> "KVCache":
-        """Buffers of `dtype`, or with `bits` (8 or 4) quantized ones read back in `dtype`."""
+        """Buffers of `dtype`, or with `bits` (the keys' and the values', 8 or 4) quantized ones read back in `dtype`."""
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
         counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(
-            allocate_kv(shape, dtype, bits, device),
-            allocate_kv(shape, dtype, bits, device),
+            *allocate_keys_and_values(shape, dtype, bits, device),
             *counters,
             torch.arange(n_slots, device=device),
             dtype,

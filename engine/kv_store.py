@@ -14,7 +14,7 @@ import torch
 
 from compression.config import STORE_PAGE, CompressionConfig
 from models.config import ModelConfig
-from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
+from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
 from models.recall import StoreLayer
 
 
@@ -37,8 +37,7 @@ class KVStore:
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
         pages = (config.n_layers, batch, config.n_kv_heads, n_slots // STORE_PAGE, config.head_dim)
         return cls(
-            allocate_kv(shape, dtype, bits, device),
-            allocate_kv(shape, dtype, bits, device),
+            *allocate_keys_and_values(shape, dtype, bits, device),
             torch.zeros(shape[:-1], dtype=torch.int64, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),

@@ -22,7 +22,7 @@ from errors import UserError
 from models.config import ModelConfig
 from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
 from models.kv_layers import PagedLayer
-from models.kv_quant import KV, allocate_kv, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
+from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
 from models.pages import Pages, gather_pages, page_address, read_pages
 
 SCRATCH_BLOCK = 0
@@ -63,19 +63,18 @@ class PagedKVCache:
     @classmethod
     def allocate(
         cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
-        pages: PageConfig = PageConfig(), *, bits: int | None = None,
+        pages: PageConfig = PageConfig(), *, bits: tuple[int, int] | None = None,
     ) -> "PagedKVCache":
         """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
         pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
-        cache's memory) plus the scratch block. Buffers of `dtype`, or `bits`-bit ones read back in it."""
+        cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones read back in it."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(
-            allocate_kv(shape, dtype, bits, device),
-            allocate_kv(shape, dtype, bits, device),
+            *allocate_keys_and_values(shape, dtype, bits, device),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters,
             torch.arange(n_slots, device=device),

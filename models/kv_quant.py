@@ -19,7 +19,7 @@ import torch
 from errors import UserError
 
 KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
-KV_BITS = {"int8": 8, "int4": 4}
+KV_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}  # (key bits, value bits): keys lose more in 4 bits (docs/quantization.md)
 KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
@@ -46,6 +46,13 @@ class QuantizedKV(NamedTuple):
 
 
 KV = torch.Tensor | QuantizedKV  # a cache buffer, float or quantized
+
+
+def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device) -> tuple[KV, KV]:
+    """Zeros for the keys and the values of slots of `shape` [..., S, D], each float in `dtype` or in
+    codes of its own bits (kv_storage's)."""
+    key_bits, value_bits = bits or (None, None)
+    return allocate_kv(shape, dtype, key_bits, device), allocate_kv(shape, dtype, value_bits, device)
 
 
 def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device) -> KV:
@@ -130,9 +137,9 @@ def kv_shape(kv: KV) -> torch.Size:
 
 
 
-def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, int | None]:
-    """--kv-dtype as (the dtype keys and values read back in, the bits of their codes or None for
-    floats). auto: the model's dtype, as floats."""
+def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tuple[int, int] | None]:
+    """--kv-dtype as (the dtype keys and values read back in, the bits of the keys' and the
+    values' codes, or None for floats). auto: the model's dtype, as floats."""
     if kv_dtype == "auto":
         return model_dtype, None
     if kv_dtype in KV_BITS:

@@ -69,7 +69,7 @@ def test_int4_codes_pack_the_even_channel_in_the_low_nibble():
     assert torch.equal(dequantize(q, torch.float32).round(), x)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_copy(bits, paged):
     """A written layer holds codes; attend() over it equals a float64 softmax over what the codes decode to."""
@@ -90,8 +90,8 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
         assert isinstance(layer, RowsLayer)
     assert isinstance(layer.k, QuantizedKV)
     write(layer, k, v, slots)
-    keys = dequantize(quantize(k, bits), torch.float64)
-    values = dequantize(quantize(v, bits), torch.float64)
+    keys = dequantize(quantize(k, bits[0]), torch.float64)
+    values = dequantize(quantize(v, bits[1]), torch.float64)
     G = H // H_kv
     # A decode step (one query per row, straight from the codes) and a prefill's last 3 queries
     # (dequantized for SDPA), each reading the slots up to its own; row 1 leaves its last slot out.
@@ -109,7 +109,7 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
     assert torch.equal(cache.keys(0, S), keys.float())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
 def test_compaction_moves_each_slots_scales_with_its_codes(bits):
     """After a compaction the slots hold what they held before, scales included, in both layouts."""
     torch.manual_seed(2)
@@ -140,10 +140,10 @@ def test_compaction_moves_each_slots_scales_with_its_codes(bits):
 def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
     """int4 of a 64-channel head: 32 bytes of codes and 2 groups x (step, minimum) x 2 bytes per slot."""
     config = config_of(64, n_layers=3)
-    per_slot = {None: 64 * 2, 8: 64 + 8, 4: 32 + 8}  # bytes of one head's keys, bfloat16 or codes + scales
+    per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8}  # one head's K and V, bfloat16 or codes + scales
     for bits, expected in per_slot.items():
         cache = KVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits=bits)
-        assert cache.nbytes == 2 * 3 * 2 * 2 * 10 * expected  # K and V, layers, rows, heads, slots
+        assert cache.nbytes == 3 * 2 * 2 * 10 * expected  # layers, rows, heads, slots
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -162,7 +162,7 @@ def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cach
 def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
-    for kv_dtype in ("int8", "int4"):
+    for kv_dtype in ("int8", "int4", "k8v4"):
         eager = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype)
         compiled = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype, compile=True)
         assert compiled.tokens == eager.tokens, kv_dtype
@@ -189,7 +189,8 @@ def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, m
     assert torch.equal(logits, reference)
     assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None)
     assert kv_storage("auto", torch.bfloat16) == (torch.bfloat16, None)
-    assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, 4)
+    assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, (4, 4))
+    assert kv_storage("k8v4", torch.bfloat16) == (torch.bfloat16, (8, 4))
 
 
 def test_bad_kv_options_get_one_clear_error():
@@ -197,7 +198,7 @@ def test_bad_kv_options_get_one_clear_error():
         kv_storage("int2", torch.float32)
     config = config_of(40)
     with pytest.raises(UserError, match="head dimension divisible by 32"):
-        KVCache.allocate(config, 1, 4, torch.float32, CPU, bits=4)
+        KVCache.allocate(config, 1, 4, torch.float32, CPU, bits=(4, 4))
 
 
 def test_bench_counts_the_codes_and_scales_a_step_reads(tiny_checkpoint):
