@@ -4,7 +4,7 @@
     python -m docs.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --policy streaming --kv-store 1024
 
 Generates with a KV policy (BeaconKV by default; budget 512, hysteresis 128, window 32), with or
-without a store of demoted slots (--kv-store, int4) and no EOS, in bfloat16, eager;
+without a store of demoted slots (--kv-store, int4) and no EOS, in bfloat16, eager (or --compile);
 every 1024 tokens it prints the resident set (VmRSS) and the decode tok/s of those tokens.
 SmolLM2 knows 8192 positions: --rope-factor F runs it with dynamic NTK RoPE scaling over F times
 as many (a copy of the checkpoint's config; the text quality past 8192 is not the point here).
@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=1024)
     p.add_argument("--policy", default="beacon")
     p.add_argument("--kv-store", type=int, default=0, metavar="SLOTS", help="demote evictions into a store of this many slots (0: none)")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (default: eager)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
@@ -65,7 +66,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}; resident before: {resident_mib():.1f} MiB", flush=True)
     with torch.inference_mode():
-        result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, compression=policy)
+        result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, compression=policy, compile=args.compile)
     stats = result.compression
     print(f"{result.new_tokens} tokens, {stats.compactions} compactions, KV cache {result.kv_cache_bytes / 2**20:.1f} MiB (its store included), "
           f"decode {result.decode_steps / result.decode_s:.1f} tok/s overall")
