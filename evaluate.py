@@ -4,6 +4,7 @@
     python evaluate.py --task humaneval --model qwen-coder --dtype bfloat16  # docs/eval/qwen-coder/humaneval
     python evaluate.py --model smollm2 --quick                             # a smoke run
     python evaluate.py --report docs/eval/smollm2/retrieval/results.json   # tables and plot again
+    python evaluate.py --report A/results.json B/results.json --out DIR    # runs on the same batch, as one table
 
 Each finished (policy, budget) cell is written to --out at once; the same command run again
 resumes a stopped run and skips the cells it has (--restart starts over). The full cache's pass
@@ -65,7 +66,7 @@ from evaluation.coding import HumanEvalConfig, evaluate_humaneval, read_humaneva
 from evaluation.coding_report import write as write_humaneval
 from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, TASKS, EvalConfig, split_storage
 from evaluation.harness import evaluate
-from evaluation.report import read_results, write
+from evaluation.report import merge_results, read_results, write
 from evaluation.humaneval import LAST_PROBLEM, check_range
 from evaluation.runs import log
 from evaluation.saving import sole_writer
@@ -223,16 +224,32 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         if args[:1] == ["--report"]:  # python evaluate.py --report docs/eval/smollm2/retrieval/results.json
-            if len(args) != 2:
-                raise UserError("--report takes one results.json and nothing else")
-            path = Path(args[1])
-            print(write_humaneval(read_humaneval(path), path.parent) if "cells" in _json_keys(path) else write(read_results(path), path.parent))
+            report(args[1:])
             return
         config = parse_args(args)
         with sole_writer(config.out):
             run(config, resume="--restart" not in args)
 
     return run_command(body)
+
+
+def report(args: list[str]) -> None:
+    """The tables and plots again from one results.json, into its folder; or several retrieval
+    runs on the same batch (other policies or budgets from the same full pass) as one table:
+    --report A/results.json B/results.json --out DIR."""
+    out = None
+    if "--out" in args:
+        at = args.index("--out")
+        if at + 1 >= len(args):
+            raise UserError("--out needs a folder")
+        out, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
+    paths = [Path(a) for a in args]
+    if not paths or (len(paths) > 1) != (out is not None):
+        raise UserError("--report takes one results.json, or several and --out DIR for the merged tables")
+    if len(paths) == 1 and "cells" in _json_keys(paths[0]):
+        print(write_humaneval(read_humaneval(paths[0]), paths[0].parent))
+        return
+    print(write(merge_results([read_results(path) for path in paths]), out or paths[0].parent))
 
 
 def run(config: EvalConfig | HumanEvalConfig, resume: bool) -> None:

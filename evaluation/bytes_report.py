@@ -35,13 +35,16 @@ class Point:
 
 
 def label(spec: str) -> str:
-    """'streaming:kv_dtype=int4:store_slots=256' -> 'streaming + int4 cache + store 256'."""
+    """'streaming:kv_dtype=int4:store_slots=256' -> 'streaming + int4 cache + int4 store 256';
+    'none:kv_dtype=int8' -> 'full cache in int8'."""
     if spec == "none":
         return "full cache"
     policy, kv_dtype = split_storage(spec)
+    if policy == "none":
+        return f"full cache in {kv_dtype}"
     name, *settings = policy.split(":")
     options = dict(s.partition("=")[::2] for s in settings)
-    parts = ["full cache" if name == "none" else name] + ([f"{kv_dtype} cache"] if kv_dtype != "auto" else [])
+    parts = [name] + ([f"{kv_dtype} cache"] if kv_dtype != "auto" else [])
     if "store_slots" in options:
         parts.append(f"{options.pop('store_dtype', 'int4')} store {options.pop('store_slots')}")
     parts += [f"{k}={v}" for k, v in options.items()]

@@ -263,6 +263,35 @@ def read_results(path: Path) -> Results:
     return results
 
 
+# What may differ between runs merged into one table: which cells each ran, and what they cost.
+MERGEABLE = ("out", "policies", "budgets", "cells_done", "peak_rss_mib")
+
+
+def merge_results(runs: list[Results]) -> Results:
+    """Several runs on the same batch as one: their cells side by side (the first run's where two
+    ran the same cell, which computes the same), every other setting equal."""
+    first = runs[0]
+    for other in runs[1:]:
+        differ = sorted(k for k in {*first.config, *other.config} if k not in MERGEABLE and first.config.get(k) != other.config.get(k))
+        if differ or other.model != first.model:
+            raise UserError(f"runs of other models or settings ({', '.join(differ) or 'model'}) do not merge into one table")
+    if len(runs) == 1:
+        return first
+    config = dict(first.config)
+    config["policies"] = list(dict.fromkeys(p for r in runs for p in r.config["policies"]))
+    config["budgets"] = sorted({b for r in runs for b in r.config["budgets"]})
+    config["cells_done"] = [cell for r in runs for cell in r.config["cells_done"]]
+    config["peak_rss_mib"] = max(r.config.get("peak_rss_mib", 0) for r in runs)
+    merged = Results(first.model, config, notes=list(dict.fromkeys(n for r in runs for n in r.notes)), samples=first.samples)
+    merged.seconds = {"total": sum(r.seconds.get("total", 0.0) for r in runs)}
+    for task in RESULT_TYPES:
+        for r in runs:
+            for policy, by_budget in getattr(r, task).items():
+                for budget, result in by_budget.items():
+                    getattr(merged, task).setdefault(policy, {}).setdefault(budget, result)
+    return merged
+
+
 def write(results: Results, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(results)

@@ -72,7 +72,7 @@ def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
     for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost", "Quality against KV bytes"):
         assert title in out
     assert "| streaming + int4 cache + int4 store 32 + recall_pages=1 | 33 |" in out
-    assert "| full cache + int8 cache |  | 62.5% |" in out  # (16 bytes of codes + 4 of scales) / 32, head_dim 16
+    assert "| full cache in int8 |  | 62.5% |" in out  # (16 bytes of codes + 4 of scales) / 32, head_dim 16
     assert (tmp_path / "results.md").read_text() + "\n" == out
     for plot in ("quality_vs_budget.png", "quality_vs_bytes.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
@@ -464,6 +464,25 @@ def test_each_combination_is_tested_against_the_cheapest_cell_of_each_single_tec
     table = dominance_table(found).splitlines()[6:]
     assert table == [
         "| streaming + int4 cache | 20 | 16.0% | streaming | 10 | 30.0% | 5/3 | 0.73 |",
-        "| streaming + int4 cache | 20 | 16.0% | full cache + int4 cache |  | 31.2% | 0/3 | 0.25 |",
+        "| streaming + int4 cache | 20 | 16.0% | full cache in int4 |  | 31.2% | 0/3 | 0.25 |",
     ]
     assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (16.0%), 5 against the full cache's 10 (50%)." in bytes_tables(found, "recalls")
+
+
+def test_runs_on_the_same_batch_merge_into_one_table_and_runs_of_other_settings_do_not(tiny_folder, tmp_path, capsys):
+    first, second, third, merged = (tmp_path / name for name in ("first", "second", "third", "merged"))
+    assert evaluate.main(quick_args(tiny_folder, first)) == 0
+    assert evaluate.main([*quick_args(tiny_folder, second), "--policies", "random", "--full-pass", str(first / "full_pass.pt")]) == 0
+    assert evaluate.main([*quick_args(tiny_folder, third), "--policies", "random", "--window", "6"]) == 0
+    capsys.readouterr()
+    runs = [first / "results.json", second / "results.json"]
+    assert evaluate.main(["--report", *map(str, runs), "--out", str(merged)]) == 0
+    assert "| random |" in capsys.readouterr().out
+    a, b, both = (json.loads(path.read_text()) for path in (*runs, merged / "results.json"))
+    assert both["config"]["policies"] == a["config"]["policies"] + ["random"]
+    assert both["retrieval"]["random"] == b["retrieval"]["random"] and both["retrieval"]["streaming"] == a["retrieval"]["streaming"]
+    assert evaluate.main(["--report", str(runs[0]), str(third / "results.json"), "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert "do not merge into one table" in err and "window" in err
+    assert evaluate.main(["--report", *map(str, runs)]) == 2
+    assert "--out DIR" in capsys.readouterr().err
