@@ -22,7 +22,7 @@ class Point:
     spec: str  # "none", "streaming", "streaming:kv_dtype=int4:store_slots=256", ...
     budget: str  # generated tokens kept, or "full"
     share: float  # of a full bf16 cache's bytes
-    outcomes: list[bool] | None  # per recall (retrieval) or per problem (HumanEval): right or not
+    outcomes: list[bool]  # per recall (retrieval) or per problem (HumanEval): right or not
     loss: LossResult | None = None
 
     @property
@@ -135,11 +135,11 @@ def dominance_table(found: list[Point]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> bool:
+def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> None:
     """The share of `items` right against bytes, one line per cell kind over its budgets, Wilson
-    intervals as error bars; False when there is nothing to plot."""
+    intervals as error bars; nothing when there is nothing to compare."""
     if len(found) < 2:
-        return False
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +167,6 @@ def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
 def _of(hits: int, full_hits: int) -> str:
