@@ -14,7 +14,7 @@ import torch
 from compression.manager import CompressionManager, PerRowManagers
 from engine.kv_cache import KVCache
 from engine.paged_cache import PagedKVCache
-from engine.sampling import SamplingConfig, sample
+from engine.sampling import RowSampling, SamplingConfig, sample
 from models.kv_layers import CacheRead
 from models.transformer import BlockGroups, Transformer
 
@@ -75,7 +75,7 @@ def decode_step(
     tokens: torch.Tensor,  # [B] the tokens to feed; overwritten with the next ones
     finished: torch.Tensor,  # [B] bool, updated in place
     eos_ids: torch.Tensor,  # [E] int64
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | RowSampling,
     compression: CompressionManager | PerRowManagers | None = None,
     n_read: int | None = None,
     seen: torch.Tensor | None = None,  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
@@ -101,7 +101,7 @@ def decode_step(
         seen.scatter_(1, tokens[:, None], True)
     # A finished row keeps running (shapes are static), feeding its last token again: a real
     # token id, which EOS is not when a model has none (its stand-in, -1, is no embedding row).
-    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen))
+    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen, cache.position + 1))
     finished |= torch.isin(next_tokens, eos_ids)
     tokens.copy_(next_tokens)
     cache.length += 1

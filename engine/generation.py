@@ -21,7 +21,7 @@ from engine.decode import advanced_by_step, decode_step, prefill
 from engine.kv_cache import KVCache
 from engine.kv_store import KVStore
 from engine.paged_cache import PageConfig, PagedKVCache
-from engine.sampling import SamplingConfig, sample, seen_tokens
+from engine.sampling import RowSampling, SamplingConfig, sample, seen_tokens
 from errors import UserError
 from models.kv_quant import kv_storage
 from models.transformer import Transformer
@@ -98,18 +98,20 @@ class Session:
         n_slots: int,
         *,
         eos_ids: frozenset[int],
-        sampling: SamplingConfig = SamplingConfig(),
+        sampling: SamplingConfig | RowSampling = SamplingConfig(),
         compression: CompressionConfig = CompressionConfig(),
         compile: bool = False,
         cuda_graph: bool = False,
         pages: PageConfig | None = None,
         kv_dtype: str = "auto",
     ):
-        """kv_dtype: how the cache stores keys and values (models/kv_quant.py: kv_storage)."""
+        """sampling: one config for every row, or each row's own (RowSampling, which rows may change
+        between steps). kv_dtype: how the cache stores keys and values (models/kv_quant.py: kv_storage)."""
         device = model.device
         if cuda_graph and device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
-        self.model, self.sampling = model, sampling
+        self.model = model
+        self.sampling = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, batch, device)
         self.cache: KVCache | PagedKVCache
         dtype, bits = kv_storage(kv_dtype, model.dtype)
         if pages is None:
@@ -126,7 +128,7 @@ class Session:
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] the next tokens to feed
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
         self.seen = None  # [B, V] bool, the tokens the repetition penalty applies to
-        if sampling.penalises_repetition:
+        if self.sampling.penalises_repetition:
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
         self.compile, self.cuda_graph = compile, cuda_graph
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
@@ -153,7 +155,7 @@ class Session:
             seen |= seen_tokens(prompts, seen.shape[1], seen.device)
         logits = prefill(self.model, cache, prompts, compression=manager)
         self.last_logits = logits  # [B, V] at each prompt's last token
-        first = sample(logits, self.sampling, seen)  # [B]
+        first = sample(logits, self.sampling[rows], seen, cache.position)  # [B]; the positions the first tokens take
         self.tokens[rows] = first
         self.finished[rows] = torch.isin(first, self.eos)
 

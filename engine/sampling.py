@@ -1,9 +1,15 @@
 """Token selection inside the decode step: repetition penalty, then greedy or sampling through
 temperature, top-k, top-p and min-p (the order transformers applies them in).
 
-Everything stays on the device and in fixed shapes (no .item(), no multinomial), so the step
-can be compiled with fullgraph=True and captured as a CUDA graph. Random draws come from
-torch's global generator: torch.manual_seed(seed) makes a run reproducible.
+Each row has its own settings (RowSampling: [B] tensors, and their copy on the host), so one
+batched step serves requests that each asked for something else. The host copy decides which
+filters run at all (none of them for a greedy batch); the tensors hold each row's values, and a
+row that asks for no filter passes through it unchanged. Everything stays on the device and in
+fixed shapes (no .item(), no multinomial), so the step never waits for the host.
+
+Random draws come from torch's global generator (torch.manual_seed makes a run reproducible), or,
+for rows given a seed, from a hash of (seed, position, token): such a row draws the same numbers
+whichever batch it runs in and whatever the other rows do, as a served request with a seed must.
 """
 
 from dataclasses import dataclass
@@ -38,6 +44,52 @@ class SamplingConfig:
         return self.repetition_penalty != 1.0
 
 
+class RowSampling:
+    """Every row's sampling settings: `configs` on the host, the same values as [B] tensors on the
+    device for the step to read. `seeds` [B]: each row's seed for the hashed draws; None draws
+    from torch's global generator."""
+
+    def __init__(self, configs: list[SamplingConfig], device: torch.device, seeded: bool = False):
+        batch = len(configs)
+        self.configs = list(configs)
+        self.temperature = torch.zeros(batch, device=device)  # [B]
+        self.top_k = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
+        self.top_p = torch.ones(batch, device=device)  # [B]
+        self.min_p = torch.zeros(batch, device=device)  # [B]
+        self.penalty = torch.ones(batch, device=device)  # [B]
+        self.seeds = torch.zeros(batch, dtype=torch.int64, device=device) if seeded else None  # [B]
+        for row, config in enumerate(configs):
+            self.set_row(row, config)
+
+    @classmethod
+    def same(cls, config: SamplingConfig, batch: int, device: torch.device) -> "RowSampling":
+        return cls([config] * batch, device)
+
+    def set_row(self, row: int, config: SamplingConfig, seed: int = 0) -> None:
+        """Between steps: the row's settings from now on (and its seed, with seeded draws)."""
+        self.configs[row] = config
+        self.temperature[row] = config.temperature
+        self.top_k[row] = config.top_k
+        self.top_p[row] = config.top_p
+        self.min_p[row] = config.min_p
+        self.penalty[row] = config.repetition_penalty
+        if self.seeds is not None:
+            self.seeds[row] = seed
+
+    def __getitem__(self, rows: slice) -> "RowSampling":
+        """These rows' settings: views of the same tensors."""
+        part = object.__new__(RowSampling)
+        part.configs = self.configs[rows]
+        for name in ("temperature", "top_k", "top_p", "min_p", "penalty"):
+            setattr(part, name, getattr(self, name)[rows])
+        part.seeds = None if self.seeds is None else self.seeds[rows]
+        return part
+
+    @property
+    def penalises_repetition(self) -> bool:
+        return any(c.penalises_repetition for c in self.configs)
+
+
 def seen_tokens(prompts: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, V] bool, True for every token of each row's prompt: what the repetition penalty starts from."""
     seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
@@ -46,42 +98,82 @@ def seen_tokens(prompts: list[list[int]], vocab_size: int, device: torch.device)
     return seen
 
 
-def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
     """CTRL's penalty, as transformers applies it: a seen token's logit is divided by the penalty
-    when positive and multiplied by it when negative, so a penalty > 1 always lowers it."""
+    when positive and multiplied by it when negative, so a penalty > 1 always lowers it.
+    penalty: one for all rows, or [B, 1]."""
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
 
 
-def filter_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p; removed tokens get -inf. The best token is never removed."""
-    logits = logits.float() / config.temperature  # [B, V]
-    if config.top_k:
-        kth_best = torch.topk(logits, min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if config.top_p < 1:
+def filter_logits(logits: torch.Tensor, sampling: RowSampling | SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, each row with its own values; removed tokens get
+    -inf. The best token is never removed. A greedy row (temperature 0) is left at temperature 1."""
+    rows = as_rows(sampling, logits)
+    configs = rows.configs
+    temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
+    logits = logits.float() / temperature[:, None]  # [B, V]
+    if any(c.top_k for c in configs):
+        largest = min(max(c.top_k for c in configs), logits.shape[-1])
+        best = torch.topk(logits, largest, dim=-1).values  # [B, largest]
+        k = rows.top_k.clamp(1, largest)  # a row without top-k reads some value, then ignores it
+        kth_best = best.gather(-1, (k - 1)[:, None])
+        logits = logits.masked_fill((logits < kth_best) & (rows.top_k > 0)[:, None], float("-inf"))
+    if any(c.top_p < 1 for c in configs):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= config.top_p
+        drop_sorted = (mass_before >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if config.min_p:
+    if any(c.min_p for c in configs):
         probs = logits.softmax(dim=-1)
-        too_unlikely = probs < config.min_p * probs.amax(dim=-1, keepdim=True)
+        too_unlikely = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(too_unlikely, float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, config: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Next token per row, [B] int64, from logits [B, V]; `seen` [B, V] marks the tokens the
-    repetition penalty applies to (required when the config has one)."""
-    if config.penalises_repetition:
-        logits = penalise_repetition(logits.float(), seen, config.repetition_penalty)
-    if config.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits, config).softmax(dim=-1)
+def sample(
+    logits: torch.Tensor, sampling: RowSampling | SamplingConfig, seen: torch.Tensor | None = None, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next token per row, [B] int64, from logits [B, V]. `seen` [B, V] marks the tokens the
+    repetition penalty applies to (required when a row has one); `positions` [B], the positions
+    the new tokens will take, count the hashed draws of seeded rows (required with seeds)."""
+    rows = as_rows(sampling, logits)
+    configs = rows.configs
+    if rows.penalises_repetition:
+        logits = penalise_repetition(logits.float(), seen, rows.penalty[:, None])
+    greedy = logits.argmax(dim=-1)
+    if all(c.temperature == 0 for c in configs):
+        return greedy
+    probs = filter_logits(logits, rows).softmax(dim=-1)
+    uniform = torch.rand_like(probs) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])
     # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race), without a host sync.
-    exponential = -torch.log(torch.rand_like(probs).clamp_min(1e-20))
-    return (probs / exponential).argmax(dim=-1)
+    exponential = -torch.log(uniform.clamp_min(1e-20))
+    drawn = (probs / exponential).argmax(dim=-1)
+    return torch.where(rows.temperature > 0, drawn, greedy)
+
+
+def as_rows(sampling: RowSampling | SamplingConfig, logits: torch.Tensor) -> RowSampling:
+    """One config stands for every row of the logits [B, V]."""
+    return sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, logits.shape[0], logits.device)
+
+
+MASK_32 = 0xFFFFFFFF
+
+
+def mix_32(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash of 32-bit values held in int64 (a multiply-xorshift finaliser; its constant
+    is below 2**27, so no product overflows int64)."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & MASK_32
+    return (x >> 16) ^ x
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] numbers in (0, 1), one per (row's seed, position, token), the same wherever the row runs."""
+    key = mix_32(mix_32(seeds & MASK_32) ^ (positions & MASK_32))  # [B]
+    tokens = torch.arange(vocab_size, device=seeds.device) * 0x9E3779B1 & MASK_32  # [V] spread apart
+    bits = mix_32(key[:, None] ^ tokens[None, :]) >> 8  # [B, V] 24 random bits
+    return (bits.float() + 0.5) / (1 << 24)

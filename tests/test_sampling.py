@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingConfig, filter_logits, penalise_repetition, sample, seen_tokens
+from engine.sampling import RowSampling, SamplingConfig, filter_logits, hashed_uniform, penalise_repetition, sample, seen_tokens
 from errors import UserError
 
 
@@ -125,3 +125,57 @@ def test_min_p_keeps_only_tokens_near_the_best():
 def test_bad_new_values_are_refused(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingConfig(**kwargs)
+
+
+def test_each_row_keeps_to_its_own_settings():
+    """One batch, four settings: every row's draws stay in its own brute-force allowed set, and the
+    greedy row is the argmax."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 12) * 2
+    configs = [SamplingConfig(), SamplingConfig(temperature=0.9, top_k=3), SamplingConfig(temperature=0.9, top_p=0.6), SamplingConfig(temperature=0.9, top_k=5, top_p=0.8)]
+    rows = RowSampling(configs, torch.device("cpu"))
+    allowed = [{int(logits[0].argmax())}] + [allowed_tokens(logits[r].tolist(), 0.9, c.top_k, c.top_p) for r, c in enumerate(configs) if r]
+    drawn = [set() for _ in configs]
+    for _ in range(400):
+        for row, token in enumerate(sample(logits, rows).tolist()):
+            drawn[row].add(token)
+    assert drawn == allowed
+
+
+def test_a_rows_penalty_is_its_own():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    seen = torch.rand(3, 20, generator=torch.Generator().manual_seed(5)) < 0.5
+    penalties = [1.0, 1.8, 0.7]
+    rows = RowSampling([SamplingConfig(repetition_penalty=p) for p in penalties], torch.device("cpu"))
+    expected = [sample(logits[r : r + 1], SamplingConfig(repetition_penalty=p), seen[r : r + 1]).item() for r, p in enumerate(penalties)]
+    assert sample(logits, rows, seen).tolist() == expected
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch():
+    """The hashed draws depend on the row's seed and position only: not on the global generator,
+    the row's place in the batch, or the other rows."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(6))
+    config = SamplingConfig(temperature=1.0)
+
+    def draws(batch: int, row: int, seed: int) -> list[int]:
+        rows = RowSampling([config] * batch, torch.device("cpu"), seeded=True)
+        rows.set_row(row, config, seed)
+        out = []
+        for position in range(30):
+            torch.manual_seed(position)  # the global generator must not matter
+            out.append(sample(logits.expand(batch, 50), rows, positions=torch.full((batch,), position))[row].item())
+        return out
+
+    alone = draws(1, 0, seed=7)
+    assert draws(5, 3, seed=7) == alone
+    assert draws(1, 0, seed=8) != alone
+
+
+def test_seeded_draws_follow_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    rows = RowSampling([SamplingConfig(temperature=1.0)] * 20000, torch.device("cpu"), seeded=True)
+    rows.seeds.copy_(torch.arange(20000))
+    counts = torch.bincount(sample(logits, rows, positions=torch.full((20000,), 11)), minlength=4).float()
+    assert torch.allclose(counts / counts.sum(), logits[0].softmax(0), atol=0.015)
+    uniform = hashed_uniform(torch.tensor([1, 2]), torch.tensor([0, 0]), 100000)
+    assert 0 < uniform.min() and uniform.max() < 1 and abs(uniform.mean().item() - 0.5) < 0.005
