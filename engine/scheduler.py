@@ -1,16 +1,21 @@
-"""Continuous batching: more prompts than rows; finished rows leave and waiting prompts join
+"""Continuous batching: more requests than rows; finished rows leave and waiting requests join
 between decode steps.
 
-The batch has `max_batch` rows over one paged cache. Before each step, the prompts waiting (in
-their order) take the idle rows while the pool can hold them: a prompt joins only if the blocks
+The batch has `max_batch` rows over one paged cache. Before each step, the requests waiting (in
+their order) take the idle rows while the pool can hold them: a request joins only if the blocks
 it may need at worst (its prompt and every new token, or what its KV policy keeps) fit beside
 what the rows already running may still claim, so a running row never waits for a block. Its
-prefill runs then, alone; the step runs every row. A row that ends (EOS, its token limit, or a
-stop) returns all its blocks at once. Answers come back in prompt order.
+prefill runs then, alone; the step runs every row, each with its own sampling settings. A row
+that ends (EOS, its token limit, a stop, or the caller cancelling it) returns all its blocks at
+once.
+
+`serve` answers a list of requests known in advance (generate.py --prompt-file); a server adds
+requests to a ContinuousBatch as they arrive and runs its steps in between (serve.py).
 """
 
 import time
 from collections import deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +24,7 @@ from compression.config import CompressionConfig
 from compression.manager import PerRowManagers
 from engine.generation import OnTokens, Session, check_lengths
 from engine.paged_cache import PageConfig, PagedKVCache
-from engine.sampling import SamplingConfig
+from engine.sampling import RowSampling, SamplingConfig
 from errors import UserError
 from models.transformer import Transformer
 
@@ -33,6 +38,8 @@ class ContinuousSession(Session):
 
     def __init__(self, model: Transformer, batch: int, n_slots: int, *, pages: PageConfig, **options):
         super().__init__(model, batch, n_slots, pages=pages, **options)
+        if self.seen is None and isinstance(options.get("sampling"), RowSampling):  # a row may join with a penalty
+            self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
         self.finished.fill_(True)
         self.joined = [False] * batch  # host: the rows holding a prompt
         self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none
@@ -44,10 +51,14 @@ class ContinuousSession(Session):
     def running(self) -> list[bool]:
         return list(self.joined)
 
-    def admit(self, row: int, prompt: list[int]) -> tuple[int, bool]:
-        """Between steps: prefill a prompt into an idle row; returns its first token, and whether
-        that ends it (EOS)."""
+    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0) -> tuple[int, bool]:
+        """Between steps: prefill a prompt into an idle row, sampled with its own settings from now
+        on (None: the row's so far); returns its first token, and whether that ends it (EOS)."""
         assert not self.joined[row], "admit needs an idle row"
+        if sampling is not None:
+            self.sampling.set_row(row, sampling, seed)
+        if self.seen is not None:
+            self.seen[row] = False  # an idle row's steps marked the tokens it fed
         self.cache.reserve(row, len(prompt))
         manager = None
         if self.manager is not None:
@@ -63,8 +74,6 @@ class ContinuousSession(Session):
     def release(self, row: int) -> None:
         """Between steps: the row's prompt is done; its blocks go back to the pool."""
         self.cache.release(row)
-        if self.seen is not None:
-            self.seen[row] = False
         self.finished[row] = True
         self.idle[row] = True
         self.joined[row] = False
@@ -84,6 +93,8 @@ class ContinuousSession(Session):
 class Request:
     prompt: list[int]
     max_new_tokens: int
+    sampling: SamplingConfig | None = None  # None: the session's
+    seed: int = 0  # its draws, in a session whose rows draw from their own seeds
 
 
 @dataclass
@@ -115,96 +126,148 @@ def serve(
     on_tokens: OnTokens | None = None,
     kv_dtype: str = "auto",
 ) -> BatchRun:
-    """Answer every request, at most max_batch at once. pages.n_blocks sizes the pool (default:
-    max_batch rows of the longest request's worst case, the memory static batching would take)."""
+    """Answer every request, at most max_batch at once; on_tokens hears of each by its index.
+    pages.n_blocks sizes the pool (default: max_batch rows of the longest request's worst case,
+    the memory static batching would take)."""
     if max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {max_batch}")
     for request in requests:
         check_lengths(model, [request.prompt], request.max_new_tokens)
-    worst = [compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests]  # slots a prompt may hold at once
+    worst = max(compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests)  # slots a prompt may hold at once
     session = ContinuousSession(
-        model, max_batch, max(worst), eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
+        model, max_batch, worst, eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
         kv_dtype=kv_dtype,
     )
-    cache = session.cache
-    need = [-(-n // cache.block_size) for n in worst]  # blocks
-    pool = len(cache.free)
-    if max(need) > pool:
-        raise UserError(
-            f"a prompt may need {max(need)} blocks of {cache.block_size} slots but the pool has {pool}; "
-            "give the pool more blocks, or lower --max-new-tokens"
-        )
+    answers: list[list[int]] = [[] for _ in requests]
 
-    rows = RunningPrompts(session, requests, need, on_tokens)
-    waiting = deque(range(len(requests)))
-    steps = most_rows = 0
+    def collect(news: dict[int, int | None]) -> Iterable[int] | None:
+        for p, token in news.items():
+            if token is not None:
+                answers[p].append(token)
+        return on_tokens(news) if on_tokens is not None else None
+
+    batch = ContinuousBatch(session, compression, collect)
+    for p, request in enumerate(requests):
+        batch.add(p, request)
     start = time.perf_counter()
-    while waiting or rows.busy():
-        news: dict[int, int | None] = {}
-        for row in rows.idle():
-            if waiting and need[waiting[0]] <= rows.claimable():
-                rows.admit(row, waiting.popleft(), news)
-        rows.deliver(news)
-        most_rows = max(most_rows, len(rows.busy()))
-        if not rows.busy():
-            continue  # every prompt admitted this round ended with its first token
-        sampled = session.step()
-        steps += 1
-        news = {}
-        for row in rows.busy():
-            rows.take(row, sampled.tokens[row], sampled.finished[row], news)
-        rows.deliver(news)
+    while batch.busy():
+        batch.step()
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    return BatchRun(rows.answers, prompt_tokens, seconds, steps, most_rows, cache.nbytes, cache.peak_bytes)
+    cache = session.cache
+    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, cache.nbytes, cache.peak_bytes)
 
 
-class RunningPrompts:
-    """Which prompt each row of a continuous batch holds, and every prompt's answer so far."""
+class ContinuousBatch:
+    """The requests of a continuous batch, each known by a key of the caller's (an index, an id):
+    those waiting, in order, and the one each row holds. The caller adds and cancels requests and
+    runs steps, all from one thread; on_tokens hears of every new token and every end by key."""
 
-    def __init__(self, session: ContinuousSession, requests: list[Request], need: list[int], on_tokens: OnTokens | None):
-        self.session, self.requests, self.need, self.on_tokens = session, requests, need, on_tokens
-        self.prompts: list[int | None] = [None] * len(session.lengths)  # per row
-        self.answers: list[list[int]] = [[] for _ in requests]
+    def __init__(self, session: ContinuousSession, compression: CompressionConfig, on_tokens: OnTokens | None):
+        self.session, self.compression, self.on_tokens = session, compression, on_tokens
+        self.requests: dict[Hashable, Request] = {}  # waiting or running
+        self.waiting: deque[Hashable] = deque()
+        self.rows: list[Hashable | None] = [None] * len(session.lengths)  # the request each row holds
+        self.produced: dict[Hashable, int] = {}  # tokens so far, per running request
+        self.pool_blocks = len(session.cache.free)  # the session starts with every row idle
+        self.steps = self.most_rows = 0
 
-    def busy(self) -> list[int]:
-        return [row for row, p in enumerate(self.prompts) if p is not None]
+    def blocks_needed(self, request: Request) -> int:
+        """The most blocks the request may hold at once: its prompt and every new token, or what its KV policy keeps."""
+        slots = self.compression.slots_needed(len(request.prompt), request.max_new_tokens)
+        return -(-slots // self.session.cache.block_size)
 
-    def idle(self) -> list[int]:
-        return [row for row, p in enumerate(self.prompts) if p is None]
+    def check(self, request: Request) -> None:
+        """A UserError if the request can never run here: too long for the model, a row, or the whole pool."""
+        cache = self.session.cache
+        check_lengths(self.session.model, [request.prompt], request.max_new_tokens)
+        slots = self.compression.slots_needed(len(request.prompt), request.max_new_tokens)
+        if slots > cache.n_slots:
+            raise UserError(
+                f"a prompt of {len(request.prompt)} tokens and {request.max_new_tokens} new tokens need {slots} cache slots, "
+                f"more than a row's {cache.n_slots}; shorten the prompt or ask for fewer new tokens"
+            )
+        need, pool = self.blocks_needed(request), self.pool_blocks
+        if need > pool:
+            raise UserError(
+                f"a prompt may need {need} blocks of {cache.block_size} slots but the pool has {pool}; "
+                "give the pool more blocks, or lower --max-new-tokens"
+            )
+
+    def add(self, key: Hashable, request: Request) -> None:
+        self.check(request)
+        self.requests[key] = request
+        self.waiting.append(key)
+
+    def cancel(self, key: Hashable) -> None:
+        """Between steps: forget the request; a row it holds leaves at once, its blocks back in the
+        pool. on_tokens hears nothing more of it."""
+        if key in self.waiting:
+            self.waiting.remove(key)
+        elif key in self.rows:
+            self._leave(self.rows.index(key))
+        self.requests.pop(key, None)
+
+    def running(self) -> list[int]:
+        return [row for row, key in enumerate(self.rows) if key is not None]
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(key is not None for key in self.rows)
 
     def claimable(self) -> int:
-        """Free blocks that no running prompt may still claim."""
+        """Free blocks that no running request may still claim."""
         cache = self.session.cache
-        owed = sum(self.need[p] - len(cache.rows[row]) for row, p in enumerate(self.prompts) if p is not None)
+        owed = sum(self.blocks_needed(self.requests[key]) - len(cache.rows[row]) for row, key in enumerate(self.rows) if key is not None)
         return len(cache.free) - owed
 
-    def admit(self, row: int, p: int, news: dict[int, int | None]) -> None:
-        self.prompts[row] = p
-        self.take(row, *self.session.admit(row, self.requests[p].prompt), news)
+    def step(self) -> None:
+        """Waiting requests join the idle rows while the pool can hold them, then one decode step."""
+        news: dict[Hashable, int | None] = {}
+        for row, key in enumerate(self.rows):
+            if key is None and self.waiting and self.blocks_needed(self.requests[self.waiting[0]]) <= self.claimable():
+                self._admit(row, self.waiting.popleft(), news)
+        self._deliver(news)
+        self.most_rows = max(self.most_rows, len(self.running()))
+        if not self.running():
+            return  # every request admitted this round ended with its first token
+        sampled = self.session.step()
+        self.steps += 1
+        news = {}
+        for row in self.running():
+            self._take(row, sampled.tokens[row], sampled.finished[row], news)
+        self._deliver(news)
 
-    def take(self, row: int, token: int, ended: bool, news: dict[int, int | None]) -> None:
-        """A row's new token into this round's news, or (ended: EOS) the end of its prompt, which leaves the row at once."""
-        p = self.prompts[row]
+    def _admit(self, row: int, key: Hashable, news: dict[Hashable, int | None]) -> None:
+        request = self.requests[key]
+        self.rows[row] = key
+        self.produced[key] = 0
+        self._take(row, *self.session.admit(row, request.prompt, request.sampling, request.seed), news)
+
+    def _take(self, row: int, token: int, ended: bool, news: dict[Hashable, int | None]) -> None:
+        """A row's new token into this round's news, or (ended: EOS) the end of its request, which leaves the row at once."""
+        key = self.rows[row]
         if ended:
-            news[p] = None
+            news[key] = None
             self._leave(row)
         else:
-            self.answers[p].append(token)
-            news[p] = token
+            self.produced[key] += 1
+            news[key] = token
 
-    def deliver(self, news: dict[int, int | None]) -> None:
-        """Hand a round's news to on_tokens; a prompt it stops, or that made its last token, leaves
+    def _deliver(self, news: dict[Hashable, int | None]) -> None:
+        """Hand a round's news to on_tokens; a request it stops, or that made its last token, leaves
         its row, and on_tokens hears of its end."""
         stopped = set(self.on_tokens(news) or []) if self.on_tokens is not None and news else set()
-        ends: dict[int, int | None] = {}
-        for row, p in enumerate(self.prompts):
-            if p is not None and (p in stopped or len(self.answers[p]) == self.requests[p].max_new_tokens):
-                ends[p] = None
+        ends: dict[Hashable, int | None] = {}
+        for row, key in enumerate(self.rows):
+            if key is not None and (key in stopped or self.produced[key] == self.requests[key].max_new_tokens):
+                ends[key] = None
                 self._leave(row)
         if self.on_tokens is not None and ends:
             self.on_tokens(ends)
 
     def _leave(self, row: int) -> None:
+        key = self.rows[row]
         self.session.release(row)
-        self.prompts[row] = None
+        self.rows[row] = None
+        del self.produced[key]
+        self.requests.pop(key)
