@@ -1,5 +1,6 @@
-"""Command-line helpers shared by generate.py, bench.py and evaluate.py: the checkpoint and the form its weights
-run in, devices, dtypes, the KV-policy, quantization, paging and tensor-parallel options."""
+"""Command-line helpers shared by generate.py, serve.py, bench.py and evaluate.py: the checkpoint and the form its
+weights run in, devices, dtypes, the KV-policy, quantization, paging and tensor-parallel options, sampling
+defaults, and an answer's text."""
 
 import argparse
 import contextlib
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.paged_cache import PageConfig, default_block_size
+from engine.sampling import SamplingConfig
+from engine.stop_strings import StopStrings
 from errors import UserError
 from models import parallel
 from models.kv_quant import KV_BITS, KV_DTYPES
@@ -20,7 +23,11 @@ from models.parallel import TensorParallel
 from models.quantized import GROUP_SIZES, QUANT_MODES
 from weights.download import resolve_checkpoint
 from weights.loader import stored_dtype, stored_quantized
+from weights.tokenizer import StreamDecoder, Tokenizer
 
+# llama-cli's defaults, for checkpoints whose generation_config.json says nothing about sampling.
+LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+SAMPLING_FIELDS = tuple(LLAMA_CPP_SAMPLING)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COMPILE_FROM_TOKENS = 512  # from this many tokens a compiled step repays its warm start (docs/performance.md)
 DTYPE_HELP = (
@@ -202,3 +209,29 @@ def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
         ) from None
     finally:
         parallel.stop(tp, finished)
+
+
+def sampling_with(given: dict[str, float | int | None], checkpoint_defaults: dict[str, float | int] | None) -> SamplingConfig:
+    """Each value given (not None) wins; the rest come from the checkpoint's generation_config.json, else from llama-cli."""
+    values = dict(checkpoint_defaults or LLAMA_CPP_SAMPLING)
+    values.update({name: value for name, value in given.items() if value is not None})
+    return SamplingConfig(**values)
+
+
+class AnswerText:
+    """One answer as text: decoded piece by piece, held back where a stop string may begin."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopStrings(stops)
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        piece = self.stops.push(self.decoder.push(token))
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        piece = self.stops.push(self.decoder.flush()) + self.stops.flush()
+        self.text += piece
+        return piece

@@ -15,9 +15,6 @@ llama-cli does: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, seeded (--see
 reproducible. Each sampling flag overrides its value; --temperature 0 is greedy.
 """
 
-# llama-cli's defaults, for checkpoints whose generation_config.json says nothing about sampling.
-LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
-
 COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers); --no-compile runs eager"
 
 import argparse
@@ -28,7 +25,7 @@ from pathlib import Path
 import torch
 
 from cli import (
-    COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant,
+    SAMPLING_FIELDS, AnswerText, sampling_with, COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant,
     compile_pays, compression_config, page_config, pick_device, pick_dtype, ranks_running, start_ranks,
 )
 from compression.config import CompressionConfig
@@ -37,12 +34,11 @@ from engine.generation import GenerationResult, Session, generate
 from engine.paged_cache import PageConfig
 from engine.sampling import SamplingConfig
 from engine.scheduler import BatchRun, Request, serve
-from engine.stop_strings import StopStrings
 from errors import UserError, run_command
 from models.parallel import TensorParallel, from_rank0, launched_ranks
 from weights.generation_config import sampling_defaults
 from weights.loader import load_model
-from weights.tokenizer import StreamDecoder, Tokenizer
+from weights.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,11 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sampling_config(args: argparse.Namespace, checkpoint_defaults: dict[str, float | int] | None) -> SamplingConfig:
     """Each flag given wins; the rest come from the checkpoint, else from llama-cli."""
-    values = dict(checkpoint_defaults or LLAMA_CPP_SAMPLING)
-    for name in values:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
-    return SamplingConfig(**values)
+    return sampling_with({name: getattr(args, name) for name in SAMPLING_FIELDS}, checkpoint_defaults)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -168,25 +160,6 @@ class CompileNotice:
         if self.pending:
             print(COMPILE_NOTICE, file=sys.stderr, flush=True)
             self.pending = False
-
-
-class AnswerText:
-    """One row's answer as text: decoded piece by piece, held back where a stop string may begin."""
-
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]):
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = StopStrings(stops)
-        self.text = ""
-
-    def push(self, token: int) -> str:
-        piece = self.stops.push(self.decoder.push(token))
-        self.text += piece
-        return piece
-
-    def flush(self) -> str:
-        piece = self.stops.push(self.decoder.flush()) + self.stops.flush()
-        self.text += piece
-        return piece
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,6 +177,15 @@ class ContinuousBatch:
         slots = self.compression.slots_needed(len(request.prompt), request.max_new_tokens)
         return -(-slots // self.session.cache.block_size)
 
+    def most_new_tokens(self, prompt_length: int) -> int:
+        """The most new tokens a prompt of this length may ask for (< 1: none). A row without a KV
+        policy holds every token: its slots bound the answer. A policy keeps a row bounded, so the
+        model's positions do, unless the prompt kept whole leaves too few slots for the policy to work in."""
+        positions, n_slots = self.session.model.config.max_position_embeddings, self.session.cache.n_slots
+        if self.compression.slots_needed(prompt_length, positions - prompt_length) <= n_slots:
+            return positions - prompt_length
+        return min(positions, n_slots) - prompt_length
+
     def check(self, request: Request) -> None:
         """A UserError if the request can never run here: too long for the model, a row, or the whole pool."""
         cache = self.session.cache

@@ -6,8 +6,8 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = {"generate", "bench", "evaluate"}
-FOLDERS = {"models", "engine", "compression", "weights", "benchmark", "evaluation"}
+SCRIPTS = {"generate", "serve", "bench", "evaluate"}
+FOLDERS = {"models", "engine", "compression", "weights", "server", "benchmark", "evaluation"}
 MODULES = {"errors", "cli"}
 
 # What each part of the project may import from the others (itself always).
@@ -18,9 +18,11 @@ ALLOWED = {
     "engine": {"errors", "models", "compression"},
     "weights": {"errors", "models"},
     "cli": {"errors", "models", "compression", "engine", "weights"},  # which checkpoint, in which form and dtype
+    "server": {"errors", "cli", "models", "compression", "engine", "weights"},
     "benchmark": {"errors", "cli", "models", "compression", "engine", "weights"},
     "evaluation": {"errors", "cli", "models", "compression", "engine", "weights"},
     "generate": {"errors", "cli", "models", "compression", "engine", "weights"},
+    "serve": {"errors", "cli", "models", "compression", "engine", "weights", "server"},
     "bench": {"errors", "cli", "models", "compression", "engine", "weights", "benchmark"},
     "evaluate": {"errors", "cli", "models", "compression", "engine", "weights", "evaluation"},
 }

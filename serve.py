@@ -1,0 +1,127 @@
+"""Serve a Llama / Mistral / Qwen checkpoint over the OpenAI API, every request in one continuous batch.
+
+    python serve.py --checkpoint DIR                       (http://127.0.0.1:8000/v1)
+    python serve.py --checkpoint DIR --max-batch 16 --kv-policy beacon --kv-budget 512
+
+POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or whole),
+GET /v1/models, /health (503 while the model loads) and /stats (rows, queue, free blocks).
+Requests join the batch between decode steps, each with its own sampling settings and seed, and
+leave when done or when their client goes away. Sampling fields a request leaves out follow the
+checkpoint's generation_config.json, else llama-cli's defaults, as generate.py does. SIGTERM or
+Ctrl-C stops taking requests, lets the running ones finish, then exits.
+
+HTTP: FastAPI (request checking, routes) on uvicorn (the ASGI server).
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from cli import (
+    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
+    pick_device, pick_dtype,
+)
+from engine.sampling import RowSampling, SamplingConfig
+from engine.scheduler import ContinuousBatch, ContinuousSession, Request
+from errors import UserError, run_command
+from server.app import Served, build_app
+from server.worker import Worker
+from weights.generation_config import sampling_defaults
+from weights.loader import load_model, read_config
+from weights.tokenizer import Tokenizer
+
+log = logging.getLogger("serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", help="model folder (config.json, safetensors, tokenizer.json); default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded at once, the rows of the batch")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a row; more get 429")
+    p.add_argument("--context", type=int, help="cache slots per row: a request's prompt and answer together (default: the model's limit, at most 4096)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help=DTYPE_HELP)
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the decode step at start (default: on CPU; a server runs long enough to repay it)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the random KV policy's seed (a request's draws follow its own seed field)")
+    add_quant_args(p)
+    add_compression_args(p)
+    add_paging_args(p, "(always on: the server's rows share one paged pool)")
+    args = p.parse_args(argv)
+    if args.paged:
+        p.error("--paged is always on here; drop it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_waiting < 0:
+        raise UserError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    compression = compression_config(args)
+    device = pick_device(args.device)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    limit = read_config(checkpoint).max_position_embeddings
+    context = min(limit, 4096) if args.context is None else args.context
+    if not 2 <= context <= limit:
+        raise UserError(f"--context must be between 2 and the model's {limit} positions, got {context}")
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=args.max_batch)
+    pages = page_config(args, device, True)
+    compile = device.type == "cpu" if args.compile is None else args.compile
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    def start_batch(on_tokens) -> ContinuousBatch:
+        """On the model's thread: load the model, and run a short request through the step (which compiles it)."""
+        log.info("loading %s (%s)%s", checkpoint, str(dtype).removeprefix("torch."), "; compiling the decode step" if compile else "")
+        model = load_model(checkpoint, dtype, device, quant, args.group_size)
+        sampling = RowSampling([SamplingConfig()] * args.max_batch, device, seeded=True)
+        session = ContinuousSession(
+            model, args.max_batch, context, eos_ids=tokenizer.eos_ids, sampling=sampling, compression=compression, compile=compile, pages=pages,
+            kv_dtype=args.kv_dtype,
+        )
+        batch = ContinuousBatch(session, compression, on_tokens)
+        batch.add("warm-up", Request(tokenizer.encode("Hello") or [0], 2))
+        while batch.busy():
+            batch.step()
+        log.info(
+            "serving %s on http://%s:%d/v1: %d rows of %d slots, a pool of %d blocks of %d slots",
+            checkpoint.name, args.host, args.port, args.max_batch, context, batch.pool_blocks, session.cache.block_size,
+        )
+        return batch
+
+    server: uvicorn.Server | None = None
+
+    def stop_serving() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving)
+    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint)), worker)
+    # No limit on the graceful shutdown: SIGTERM lets every running request finish.
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
+    worker.start()
+    server.run()
+    worker.stop()
+    if worker.error is not None:
+        raise worker.error if isinstance(worker.error, UserError) else UserError(f"the engine failed: {worker.error}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())

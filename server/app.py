@@ -1,0 +1,163 @@
+"""The HTTP side: FastAPI routes for the OpenAI API, on uvicorn's event loop.
+
+A handler checks the request (types and ranges by pydantic; lengths against the cache and the
+model), renders and encodes the prompt, and submits a Job to the model's thread; then it streams
+the job's text as server-sent events, or waits for all of it. Every refusal is one OpenAI-shaped
+error body with a 4xx status; a client that goes away cancels its job.
+"""
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from cli import AnswerText, sampling_with
+from engine.scheduler import Request
+from errors import UserError
+from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event
+from server.worker import Busy, Failed, Finished, Job, NotReady, Worker
+from weights.tokenizer import Tokenizer
+
+DISCONNECT_POLL_S = 0.5  # how often a whole-answer request looks whether its client is still there
+
+
+@dataclass
+class Served:
+    """What the routes need to know of the model being served."""
+
+    name: str  # the model id of /v1/models
+    tokenizer: Tokenizer
+    checkpoint_sampling: dict[str, float | int] | None  # generation_config.json's defaults
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, kind, param, code)
+
+
+def build_app(served: Served, worker: Worker) -> FastAPI:
+    app = FastAPI(title="beacon-engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(Refused)
+    async def refused(_, e: Refused) -> JSONResponse:
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            return JSONResponse(error_body(f"the request body is not valid JSON ({first['ctx']['error']})"), status_code=400)
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        message = f"{where}: {first['msg']}" if where else f"the request body: {first['msg']}"
+        return JSONResponse(error_body(message, param=where or None), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = worker.state == "ready"
+        return JSONResponse({"status": "ok" if ready else worker.state}, status_code=200 if ready else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return worker.stats()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "beacon-engine"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        if not served.tokenizer.has_chat_template:
+            raise Refused(400, "this checkpoint has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = served.tokenizer.encode_chat(messages)
+        except UserError as e:  # the template refused the conversation (say, roles out of order)
+            raise Refused(400, str(e), param="messages") from None
+        return await answer(body, prompt, Reply(True, served.name), http)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        if isinstance(body.prompt, list) and len(body.prompt) != 1:
+            raise Refused(400, f"prompt: one prompt per request, got a list of {len(body.prompt)}", param="prompt")
+        return await answer(body, served.tokenizer.encode(body.text()), Reply(False, served.name), http)
+
+    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest):
+        job = submit(body, prompt)
+        if body.stream:
+            return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
+        return await whole(job, reply, http)
+
+    def submit(body: ChatRequest | CompletionRequest, prompt: list[int]) -> Job:
+        if body.model is not None and body.model != served.name:
+            raise Refused(404, f"model '{body.model}' is not served here; this server serves '{served.name}'", "not_found_error", "model", "model_not_found")
+        if not prompt:
+            raise Refused(400, "the prompt is empty", param="prompt")
+        try:
+            sampling = sampling_with(body.given_sampling(), served.checkpoint_sampling)
+            limit = body.answer_limit()
+            room = worker.room(len(prompt))
+            if room < 1:
+                raise UserError(f"the prompt has {len(prompt)} tokens, which leaves no room for an answer; shorten it")
+            request = Request(prompt, room if limit is None else limit, sampling, secrets.randbits(31) if body.seed is None else body.seed)
+            worker.check(request)
+            job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
+            worker.submit(job)
+        except UserError as e:
+            raise Refused(400, str(e)) from None
+        except NotReady as e:
+            raise Refused(503, f"{e}; retry shortly", "server_error", code="not_ready") from None
+        except Busy as e:
+            raise Refused(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
+        return job
+
+    async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        ended = False
+        try:
+            yield reply.chunk("", first=True) if reply.chat else reply.chunk("")
+            while True:
+                item = await job.events.get()
+                if isinstance(item, str):
+                    yield reply.chunk(item)
+                    continue
+                ended = True
+                if isinstance(item, Failed):
+                    yield event(error_body(item.message, "server_error"))
+                    return
+                yield reply.chunk(None, item.finish_reason)
+                if include_usage:
+                    yield reply.usage_chunk(item.prompt_tokens, item.completion_tokens)
+                yield DONE
+                return
+        finally:
+            if not ended:  # the client went away (the response was cancelled)
+                worker.cancel(job)
+
+    async def whole(job: Job, reply: Reply, http: HTTPRequest) -> JSONResponse:
+        pieces = []
+        while True:
+            try:
+                item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    worker.cancel(job)
+                    return JSONResponse(error_body("the client went away"), status_code=499)
+                continue
+            if isinstance(item, str):
+                pieces.append(item)
+            elif isinstance(item, Failed):
+                status = 400 if worker.state == "ready" else 500
+                return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
+            else:
+                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens))
+
+    return app

@@ -1,0 +1,128 @@
+"""The OpenAI API's shapes: the requests serve.py accepts (pydantic checks their types and
+ranges), the answers and stream chunks it sends, and its error bodies.
+
+Fields a client may send that the engine does not implement (logprobs, tools, ...) are ignored,
+as most OpenAI-compatible servers do; `n` other than 1 is refused.
+"""
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints take: the length of the answer, how it is sampled, how it comes back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's clients send -1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [stop for stop in stops if stop]
+
+    def given_sampling(self) -> dict[str, float | int | None]:
+        top_k = None if self.top_k is None else max(self.top_k, 0)
+        return {"temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def answer_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+    def answer_limit(self) -> int | None:
+        return self.max_tokens
+
+    def text(self) -> str:
+        """The one prompt: a string, or a list of one string."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Reply:
+    """The answer to one request, whole or as stream chunks, in the shape of its endpoint."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, piece: str | None, finish_reason: str | None = None, first: bool = False) -> str:
+        """One server-sent event: a piece of text, or (piece None) the end with its finish_reason."""
+        if self.chat:
+            delta = {} if piece is None else {"role": "assistant", "content": piece} if first else {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return event({**self._head(kind), "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+
+def event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+DONE = event("[DONE]")

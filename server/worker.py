@@ -1,0 +1,218 @@
+"""The model's thread: one continuous batch that every request joins.
+
+HTTP handlers run on the event loop; the model runs here, on a thread of its own, so a decode
+step never blocks the server from accepting, streaming or refusing requests. Handlers hand a Job
+in (submit) and take it out (cancel, when the client goes away); the thread picks both up between
+steps, and sends each job its text, piece by piece, through the job's asyncio queue.
+"""
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cli import AnswerText
+from engine.scheduler import ContinuousBatch, Request
+from errors import UserError
+
+log = logging.getLogger("serve")
+
+
+@dataclass
+class Finished:
+    """A job's last event: why it ended, and what it cost."""
+
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (its max_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    """The engine failed while running the job (a bug, not the request's fault)."""
+
+    message: str
+
+
+@dataclass
+class Job:
+    request: Request
+    text: AnswerText
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces, then a Finished or a Failed
+    key: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def send(self, event: str | Finished | Failed) -> None:
+        """From the model's thread: hand the event to the handler on the event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Busy(Exception):
+    """Too many requests waiting: the client should retry later (429)."""
+
+
+class NotReady(Exception):
+    """The model is still loading, or has failed (503)."""
+
+
+class Worker:
+    """Owns the model's thread and its continuous batch. `start_batch` runs on that thread and
+    returns the batch (it loads the model, which can take a while); until it has, requests get 503."""
+
+    def __init__(self, start_batch: Callable[[Callable], ContinuousBatch], max_running: int, max_waiting: int, on_failed: Callable[[], None]):
+        """on_failed: called from the model's thread if it fails (to stop the server)."""
+        self.start_batch, self.limit, self.on_failed = start_batch, max_running + max_waiting, on_failed
+        self.batch: ContinuousBatch | None = None
+        self.state = "starting"  # then "ready", or "failed"
+        self.error: Exception | None = None
+        self.jobs: dict[int, Job] = {}  # accepted and not ended
+        self.inbox: list[tuple[str, Job]] = []  # ("add" | "cancel", job), for the thread to pick up between steps
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.keys = itertools.count()
+        self.served = self.cancelled = 0
+        self.thread = threading.Thread(target=self._run, name="model", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Let the running jobs finish, then end the thread."""
+        self.stopping = True
+        self.wake.set()
+        self.thread.join()
+
+    def _ready_batch(self) -> ContinuousBatch:
+        if self.batch is None or self.state != "ready":
+            raise NotReady("the model is still loading" if self.state == "starting" else "the model failed; see the server's log")
+        return self.batch
+
+    def room(self, prompt_length: int) -> int:
+        """The most new tokens a prompt of this length may ask for (< 1: none)."""
+        return self._ready_batch().most_new_tokens(prompt_length)
+
+    def check(self, request: Request) -> None:
+        """A UserError if the request can never run (too long for a row, the pool or the model)."""
+        self._ready_batch().check(request)
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            self._ready_batch()
+            if len(self.jobs) >= self.limit:
+                raise Busy(f"{len(self.jobs)} requests are running or waiting, the most this server takes; retry later")
+            job.key = next(self.keys)
+            self.jobs[job.key] = job
+            self.inbox.append(("add", job))
+        self.wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the job leaves its row (or the queue) before the next step."""
+        with self.lock:
+            if job.key in self.jobs:
+                self.inbox.append(("cancel", job))
+        self.wake.set()
+
+    def stats(self) -> dict:
+        batch = self.batch
+        running = 0 if batch is None else len(batch.running())
+        return {
+            "state": self.state,
+            "running": running,
+            "waiting": len(self.jobs) - running,
+            "free_blocks": 0 if batch is None else len(batch.session.cache.free),
+            "pool_blocks": 0 if batch is None else batch.pool_blocks,
+            "served": self.served,
+            "cancelled": self.cancelled,
+        }
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                self.batch = self.start_batch(self._on_tokens)
+                self.state = "ready"
+                log.info("ready")
+                self._loop()
+        except UserError as e:  # the checkpoint or an option is wrong: one line, as the other scripts say it
+            self.state, self.error = "failed", e
+            self.on_failed()
+        except Exception as e:
+            self.state, self.error = "failed", e
+            log.error("the model's thread failed:\n%s", traceback.format_exc())
+            self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+            self.on_failed()
+
+    def _loop(self) -> None:
+        batch = self.batch
+        while True:
+            self._pick_up()
+            if not batch.busy():
+                if self.stopping:
+                    return
+                self.wake.wait(timeout=1.0)
+                self.wake.clear()
+                continue
+            batch.step()
+
+    def _pick_up(self) -> None:
+        with self.lock:
+            inbox, self.inbox = self.inbox, []
+        for kind, job in inbox:
+            if kind == "add":
+                try:
+                    self.batch.add(job.key, job.request)
+                except UserError as e:  # checked before submit; the batch says the same
+                    self._end(job, Failed(str(e)))
+            elif job.key in self.jobs:
+                self.batch.cancel(job.key)
+                with self.lock:
+                    self.jobs.pop(job.key, None)
+                self.cancelled += 1
+                log.info("request %d cancelled after %d tokens: the client went away", job.key, job.completion_tokens)
+
+    def _on_tokens(self, news: dict[int, int | None]) -> list[int]:
+        """The batch's news: each job's next piece of text, or its end. Returns the jobs a stop string ended."""
+        stopped = []
+        for key, token in news.items():
+            job = self.jobs.get(key)
+            if job is None:
+                continue
+            if token is None:
+                self._finish(job)
+                continue
+            job.completion_tokens += 1
+            piece = job.text.push(token)
+            if piece:
+                job.send(piece)
+            if job.text.stops.stopped:
+                stopped.append(key)
+        return stopped
+
+    def _finish(self, job: Job) -> None:
+        piece = job.text.flush()
+        if piece:
+            job.send(piece)
+        limit_reached = job.completion_tokens == job.request.max_new_tokens and not job.text.stops.stopped
+        self.served += 1
+        seconds = time.perf_counter() - job.started
+        log.info("request %d: %d prompt tokens, %d new tokens in %.1f s", job.key, len(job.request.prompt), job.completion_tokens, seconds)
+        self._end(job, Finished("length" if limit_reached else "stop", len(job.request.prompt), job.completion_tokens))
+
+    def _end(self, job: Job, event: Finished | Failed) -> None:
+        with self.lock:
+            self.jobs.pop(job.key, None)
+        job.send(event)
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            jobs, self.jobs = list(self.jobs.values()), {}
+        for job in jobs:
+            job.send(Failed(message))

@@ -1,0 +1,238 @@
+"""serve.py end to end: a server in a subprocess on a free port of 127.0.0.1, on the tiny chat
+checkpoint, driven by the official `openai` client and by raw HTTP for what a client library
+would never send. Every wait is bounded; every server is stopped by its test."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+import generate
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, checkpoint: Path, *options: str):
+        self.port = free_port()
+        self.log = open(checkpoint.parent / f"serve-{self.port}.log", "w+")
+        argv = [sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", str(self.port), "--dtype", "float32", *options]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def get(self, path: str) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            connection.request("POST", path, data, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    def wait_ready(self) -> list[int]:
+        """Poll /health until 200; the statuses seen on the way."""
+        seen, deadline = [], time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                status, _ = self.get("/health")
+            except OSError:
+                time.sleep(0.05)
+                continue
+            seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.05)
+        raise AssertionError(f"the server was not ready in {START_TIMEOUT_S} s:\n{self.output()}")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status (uvicorn ends a graceful shutdown by re-raising the signal: -SIGTERM)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.log.close()
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint):
+    running = Server(chat_checkpoint, "--no-compile", "--max-batch", "4", "--context", "256", "--max-waiting", "32")
+    running.wait_ready()
+    yield running
+    assert running.stop() == -signal.SIGTERM
+
+
+def generate_py(capsys, checkpoint: Path, *argv: str) -> str:
+    code = generate.main(["--checkpoint", str(checkpoint), "--dtype", "float32", "--temperature", "0", "--no-compile", *argv])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    return out.removesuffix("\n")
+
+
+def test_the_openai_client_gets_generate_py_answers_at_temperature_0(server, chat_checkpoint, capsys):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [chat_checkpoint.name]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the fox 🦊"}]
+    chat = client.chat.completions.create(model=chat_checkpoint.name, messages=messages, max_tokens=24, temperature=0)
+    expected = generate_py(capsys, chat_checkpoint, "--system", "Be brief.", "--max-new-tokens", "24", "Tell me about the fox 🦊")
+    assert chat.choices[0].message.content == expected and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 24
+
+    streamed = client.chat.completions.create(model=chat_checkpoint.name, messages=messages, max_completion_tokens=24, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == expected
+
+    text = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=16, temperature=0)
+    plain = generate_py(capsys, chat_checkpoint, "--no-chat", "--max-new-tokens", "16", "Once upon a time")
+    assert text.choices[0].text == plain
+    chunks = list(client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == text.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_a_stop_string_or_eos_ends_with_finish_reason_stop(server, chat_checkpoint, capsys):
+    client = server.client()
+    whole = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=16, temperature=0).choices[0].text
+    stop = whole[5:8]
+    cut = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[: whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # The tiny chat model says <|im_end|> (its EOS) early for some prompt: that answer ends with "stop" before its limit.
+    for word in ["hi", "fox", "tell me", "why", "a", "b", "c", "dog", "sky", "ok"]:
+        answer = client.chat.completions.create(model=chat_checkpoint.name, messages=[{"role": "user", "content": word}], max_tokens=200, temperature=0)
+        if answer.usage.completion_tokens < 200:
+            assert answer.choices[0].finish_reason == "stop"
+            break
+
+
+def test_concurrent_streams_get_their_solo_answers(server, chat_checkpoint):
+    """12 streaming clients at once, over 4 rows: every one completes, with the tokens it gets
+    alone; a seeded sampled request draws the same alone and in the crowd."""
+    client = server.client()
+    name = chat_checkpoint.name
+    requests = [dict(prompt=f"request {i}: " + "fox " * (2 + 3 * i), max_tokens=20 + 9 * i, temperature=0) for i in range(11)]
+    requests.append(dict(prompt="a seeded one", max_tokens=40, temperature=1.0, top_p=0.9, seed=1234))
+    alone = [client.completions.create(model=name, **r).choices[0].text for r in requests]
+    got: dict[int, str] = {}
+    errors = []
+
+    def stream(i: int) -> None:
+        try:
+            got[i] = "".join(c.choices[0].text for c in client.completions.create(model=name, stream=True, **requests[i]))
+        except Exception as e:  # reported below, with the index
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and [got.get(i) for i in range(len(requests))] == alone
+    status, stats = server.get("/stats")
+    assert status == 200 and stats["free_blocks"] == stats["pool_blocks"] and stats["running"] == stats["waiting"] == 0
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 400}, "cache slots"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "maximum of 512 positions"),
+    ("/v1/completions", {"prompt": "fox " * 300}, "no room"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, "stream"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", [1, 2], "body"),
+]
+
+
+@pytest.mark.parametrize("path,body,says", BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
+def test_a_bad_request_gets_a_400_with_an_openai_error_body(server, path, body, says):
+    status, answer = server.post(path, body)
+    assert status == 400, answer
+    assert set(answer) == {"error"} and answer["error"]["type"] == "invalid_request_error" and says in answer["error"]["message"]
+
+
+def test_unknown_models_and_routes_get_404s_and_the_server_lives_on(server, chat_checkpoint):
+    status, answer = server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found" and f"serves '{chat_checkpoint.name}'" in answer["error"]["message"]
+    status, answer = server.get("/v1/engines")
+    assert status == 404 and "error" in answer
+    assert server.get("/health")[0] == 200
+
+
+def read_some_then_hang_up(port: int, n_events: int) -> None:
+    """A streaming client that reads a few events and closes its connection mid-answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        body = json.dumps({"prompt": "fox " * 20, "max_tokens": 190, "stream": True, "temperature": 0}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while received.count(b"data: ") < n_events:
+            chunk = s.recv(4096)
+            assert chunk, f"the server closed the stream first: {received[:300]}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_clients_that_hang_up_free_their_rows_and_blocks(chat_checkpoint):
+    """A slow server (one thread, a long context) so that the streams are cut mid-answer."""
+    slow = Server(chat_checkpoint, "--no-compile", "--max-batch", "4", "--context", "256")
+    try:
+        slow.wait_ready()
+        hang_ups = [threading.Thread(target=read_some_then_hang_up, args=(slow.port, 3)) for _ in range(8)]
+        for t in hang_ups:
+            t.start()
+        for t in hang_ups:
+            t.join(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = slow.get("/stats")[1]
+            if stats["running"] == stats["waiting"] == 0:
+                break
+            time.sleep(0.05)
+        assert stats["free_blocks"] == stats["pool_blocks"] and stats["running"] == stats["waiting"] == 0
+        assert stats["cancelled"] + stats["served"] == 8 and stats["cancelled"] >= 1
+        assert slow.client().completions.create(model=chat_checkpoint.name, prompt="still there?", max_tokens=4).usage.completion_tokens == 4
+    finally:
+        assert slow.stop() == -signal.SIGTERM
