@@ -236,3 +236,60 @@ def test_clients_that_hang_up_free_their_rows_and_blocks(chat_checkpoint):
         assert slow.client().completions.create(model=chat_checkpoint.name, prompt="still there?", max_tokens=4).usage.completion_tokens == 4
     finally:
         assert slow.stop() == -signal.SIGTERM
+
+
+def test_over_the_queue_bound_a_request_gets_429_and_the_others_complete(chat_checkpoint):
+    """One row and one waiting place: of 4 long requests sent at once, the two that find both
+    taken get 429; the two taken complete."""
+    small = Server(chat_checkpoint, "--no-compile", "--max-batch", "1", "--max-waiting", "1", "--context", "512")
+    try:
+        small.wait_ready()
+        client = small.client()
+        outcomes: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                outcomes[i] = client.completions.create(model=chat_checkpoint.name, prompt="fox", max_tokens=300, temperature=0).usage.completion_tokens
+            except openai.RateLimitError as e:
+                outcomes[i] = e
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        refused = [o for o in outcomes.values() if isinstance(o, openai.RateLimitError)]
+        assert len(outcomes) == 4 and len(refused) == 2 and sorted(o for o in outcomes.values() if o not in refused) == [300, 300]
+        assert refused[0].status_code == 429 and refused[0].body["code"] == "rate_limit_exceeded"
+    finally:
+        assert small.stop() == -signal.SIGTERM
+
+
+def test_503_while_starting_then_compiled_answers_and_sigterm_drains_a_running_stream(chat_checkpoint, server):
+    """A server that compiles its step at start: requests get 503 until it is ready; its answers
+    equal the eager server's; SIGTERM mid-stream lets the stream finish, then the process exits."""
+    compiled = Server(chat_checkpoint, "--compile", "--context", "512")
+    try:
+        loading = None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while loading is None and time.monotonic() < deadline and compiled.process.poll() is None:
+            try:
+                status, health = compiled.get("/health")
+            except OSError:
+                time.sleep(0.02)
+                continue
+            assert status == 503 and health == {"status": "starting"}, "ready before a request could see it start"
+            loading = compiled.post("/v1/completions", {"prompt": "hi"})
+        assert loading[0] == 503 and loading[1]["error"]["code"] == "not_ready"
+        compiled.wait_ready()
+        ask = dict(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=40, temperature=0)
+        assert compiled.client().completions.create(**ask).choices[0].text == server.client().completions.create(**ask).choices[0].text
+
+        stream = compiled.client().completions.create(model=chat_checkpoint.name, prompt="fox", max_tokens=400, temperature=0, stream=True, stream_options={"include_usage": True})
+        next(stream)
+        compiled.process.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert rest[-1].usage.completion_tokens > 100 and rest[-2].choices[0].finish_reason in ("stop", "length")  # it ran on after the signal
+        assert compiled.process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        compiled.stop()
