@@ -7,6 +7,7 @@
     python bench.py --paged                      (the engine on its paged cache too, side by side)
     python bench.py --as-user [--trials 3]       (generate.py's default command in fresh processes, cold and warm, beside llama.cpp)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
+    python bench.py --workload 32 --serve        (serve.py under that load over HTTP: all at once, one at a time)
     torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
@@ -21,6 +22,9 @@ With --workload N the benchmark is a serving one instead (benchmark/serving.py):
 random lengths, each with its own number of new tokens, answered --max-batch at a time by
 continuous batching on the paged cache, by static batching on the contiguous cache (same memory)
 and by transformers' batched generate: aggregate tok/s, KV cache peak, most prompts at once.
+With --serve, the continuous batch in-process against serve.py over HTTP, every request at once
+and one at a time, with time to first token, and a run with bad requests and hang-ups among the
+load (benchmark/load.py).
 
 Under torchrun (any --nproc-per-node, 1 included) the engine alone runs, split over the ranks
 (benchmark/parallel.py): decode tok/s and TTFT, and each rank's KV heads, weights read per step,
@@ -100,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
     w.add_argument("--workload-new-tokens", default="64-512", metavar="MIN-MAX", help="--workload: new tokens per prompt, drawn uniformly")
     w.add_argument("--max-batch", type=int, default=8, help="--workload: prompts decoded at once, in every system")
+    w.add_argument("--serve", action="store_true", help="--workload: serve.py over HTTP beside the in-process continuous batch (see above)")
     add_quant_args(p)
     add_compression_args(p)
     add_paging_args(p, "also measure the engine on its paged cache (engine_paged), beside the contiguous one")
@@ -223,6 +228,8 @@ def run(args: argparse.Namespace) -> None:
     if "WORLD_SIZE" in os.environ:  # started by torchrun
         run_ranks(args)
         return
+    if args.serve and args.workload is None:
+        raise UserError("--serve puts serve.py under the load of --workload N; add --workload 32, say")
     if args.workload is not None:
         run_workload(args)
         return
@@ -310,7 +317,7 @@ def run_workload(args: argparse.Namespace) -> None:
         peer_checkpoint=peer_checkpoint(args, checkpoint, compare), kv_dtype=args.kv_dtype,
     )
     machine = describe_machine(device)
-    figures_by_system = measure_serving(w, compare)
+    figures_by_system = measure_serving(w, compare, args.serve)
     print_serving(w, machine, figures_by_system)
     if args.json is not None:
         args.json.write_text(json.dumps(serving_json(w, machine, figures_by_system), indent=2) + "\n")

@@ -10,7 +10,8 @@ leave when done or when their client goes away. Sampling fields a request leaves
 checkpoint's generation_config.json, else llama-cli's defaults, as generate.py does. SIGTERM or
 Ctrl-C stops taking requests, lets the running ones finish, then exits.
 
-HTTP: FastAPI (request checking, routes) on uvicorn (the ASGI server).
+HTTP: FastAPI (request checking, routes) on uvicorn (the ASGI server). No CUDA graph: the rows'
+sampling settings change between steps, and a graph would keep the filters of its capture.
 """
 
 import argparse
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the decode step at start (default: on CPU; a server runs long enough to repay it)",
     )
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token: every answer runs to its max_tokens (for load tests)")
     p.add_argument("--seed", type=int, default=0, help="the random KV policy's seed (a request's draws follow its own seed field)")
     add_quant_args(p)
     add_compression_args(p)
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> None:
     compression = compression_config(args)
     device = pick_device(args.device)
     checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
-    limit = read_config(checkpoint).max_position_embeddings
+    model_config = read_config(checkpoint)
+    limit = model_config.max_position_embeddings
     context = min(limit, 4096) if args.context is None else args.context
     if not 2 <= context <= limit:
         raise UserError(f"--context must be between 2 and the model's {limit} positions, got {context}")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> None:
         model = load_model(checkpoint, dtype, device, quant, args.group_size)
         sampling = RowSampling([SamplingConfig()] * args.max_batch, device, seeded=True)
         session = ContinuousSession(
-            model, args.max_batch, context, eos_ids=tokenizer.eos_ids, sampling=sampling, compression=compression, compile=compile, pages=pages,
+            model, args.max_batch, context, eos_ids=frozenset() if args.ignore_eos else tokenizer.eos_ids, sampling=sampling, compression=compression, compile=compile, pages=pages,
             kv_dtype=args.kv_dtype,
         )
         batch = ContinuousBatch(session, compression, on_tokens)
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
             server.should_exit = True
 
     worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving)
-    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint)), worker)
+    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size), worker)
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
     worker.start()

@@ -1,12 +1,14 @@
 """The serving workload (bench.py --workload): many prompts of mixed lengths, each with its own
-number of new tokens, answered max_batch at a time by three systems in turn:
+number of new tokens, answered max_batch at a time by these systems in turn:
 
 - engine_continuous: engine.scheduler.serve, continuous batching on the paged cache, whose pool
   holds as many bytes as engine_static's cache unless --kv-blocks says otherwise;
 - engine_static: the same prompts in batches of max_batch, in order, each batch one
   engine.generation.generate on the contiguous cache; a batch ends when its longest answer does;
 - transformers: the same batches through transformers' generate, left-padded, each batch to its
-  most new tokens (its rows cannot stop on their own without EOS).
+  most new tokens (its rows cannot stop on their own without EOS);
+- with --serve, instead of the last two: serve.py over HTTP, every request at once
+  (server_concurrent) and one at a time (server_one_by_one), benchmark/load.py.
 
 Throughput counts each prompt's own new tokens only, over the whole run (prefills included);
 KV peak is the most cache memory held at once.
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmark.load import load_server, percentile
 from benchmark.machine import Machine, synchronize
 from benchmark.report import MIB, number, table
 from benchmark.workers import Loaded, System, SystemRun, timed_in_turn
@@ -139,24 +142,36 @@ class ServingFigures:
     seconds: float
     kv_peak_mib: float
     most_rows: int
-    peak_mem_mib: float
+    peak_mem_mib: float  # the process's (for the server's systems, the server process's)
     tok_s_trials: list[float]
+    ttft_p50_s: float | None = None  # medians over the trials of each trial's percentile (the server's systems)
+    ttft_p95_s: float | None = None
+    extras: dict | None = None  # the server's systems: the last trial's answers, and the run with faults
 
     @classmethod
-    def of(cls, run: SystemRun) -> "ServingFigures":
+    def of(cls, run: SystemRun, extras: dict | None) -> "ServingFigures":
         trials = run.trials
         middle = sorted(trials, key=lambda t: t.tok_s)[len(trials) // 2]
+        ttfts = [t.ttft_s for t in trials if t.ttft_s]
         return cls(
             statistics.median(t.tok_s for t in trials), statistics.median(t.seconds for t in trials), middle.kv_peak_bytes / MIB,
-            max(t.most_rows for t in trials), run.peak_mem_bytes / MIB, [t.tok_s for t in trials],
+            max(t.most_rows for t in trials), (extras["peak_mem_bytes"] if extras else run.peak_mem_bytes) / MIB, [t.tok_s for t in trials],
+            statistics.median(percentile(t, 50) for t in ttfts) if ttfts else None, statistics.median(percentile(t, 95) for t in ttfts) if ttfts else None,
+            extras,
         )
 
 
-def measure_serving(w: ServingWorkload, compare: str) -> dict[str, ServingFigures]:
-    systems: dict[str, System] = {"engine_continuous": (load_engine_continuous, ()), "engine_static": (load_engine_static, ())}
-    if compare == "transformers":
-        systems["transformers"] = (load_transformers_batched, ())
-    return {name: ServingFigures.of(run) for name, (run, _) in timed_in_turn(w, systems).items()}
+def measure_serving(w: ServingWorkload, compare: str, over_http: bool) -> dict[str, ServingFigures]:
+    """over_http: the in-process continuous batch against serve.py, all at once and one at a time."""
+    systems: dict[str, System] = {"engine_continuous": (load_engine_continuous, ())}
+    if over_http:
+        pool = pool_pages(w).n_blocks
+        systems |= {"server_concurrent": (load_server, (pool, True)), "server_one_by_one": (load_server, (pool, False))}
+    else:
+        systems["engine_static"] = (load_engine_static, ())
+        if compare == "transformers":
+            systems["transformers"] = (load_transformers_batched, ())
+    return {name: ServingFigures.of(run, extras) for name, (run, extras) in timed_in_turn(w, systems).items()}
 
 
 def describe_serving(w: ServingWorkload, machine: Machine) -> str:
@@ -182,11 +197,34 @@ def print_serving(w: ServingWorkload, machine: Machine, figures: dict[str, Servi
         ["most prompts at once", *(str(figures[n].most_rows) for n in names)],
         ["process peak memory (MiB)", *(number(figures[n].peak_mem_mib) for n in names)],
     ]
+    if "server_concurrent" in figures:
+        rows += [
+            ["time to first token, p50 (s)", *(number(figures[n].ttft_p50_s) if figures[n].ttft_p50_s is not None else "-" for n in names)],
+            ["time to first token, p95 (s)", *(number(figures[n].ttft_p95_s) if figures[n].ttft_p95_s is not None else "-" for n in names)],
+        ]
     print(describe_serving(w, machine), table(["", *names], rows), sep="\n\n")
     continuous = figures["engine_continuous"]
     for name in names[1:]:
         print(f"engine_continuous/{name}: throughput {continuous.tok_s / figures[name].tok_s:.2f}x")
+    if "server_concurrent" in figures:
+        print_server_checks(figures)
     print(flush=True)
+
+
+def print_server_checks(figures: dict[str, ServingFigures]) -> None:
+    """The server's throughput against one request at a time, its answers against them, and the run with faults."""
+    together, alone = figures["server_concurrent"], figures["server_one_by_one"]
+    print(f"server_concurrent/server_one_by_one: throughput {together.tok_s / alone.tok_s:.2f}x")
+    same = sum(a == b for a, b in zip(together.extras["texts"], alone.extras["texts"]))
+    counts = sum(a == b for a, b in zip(together.extras["tokens"], alone.extras["tokens"]))
+    n = len(alone.extras["texts"])
+    print(f"answers all at once against one at a time: {counts} of {n} with as many tokens, {same} of {n} identical text")
+    f = together.extras["faults"]
+    print(
+        f"with faults: {f['bad_with_4xx_error_body']} of {f['bad_requests']} bad requests got a 4xx with an error body; {f['hung_up']} clients hung up "
+        f"({f['cancelled']} requests cancelled); {f['answers_equal_clean_run']} of {f['answers']} answers equal the clean run's; "
+        f"pool after the load: {f['free_blocks']} of {f['pool_blocks']} blocks free"
+    )
 
 
 def serving_json(w: ServingWorkload, machine: Machine, figures: dict[str, ServingFigures]) -> dict[str, Any]:

@@ -111,6 +111,7 @@ class ServingTrial:
     new_tokens: int  # the tokens asked for, each prompt's own: a batch's longer rows make no extra useful token
     kv_peak_bytes: int  # the most KV cache memory held at once
     most_rows: int  # the most prompts decoded at once
+    ttft_s: list[float] | None = None  # per request, from sending it to its first token (the server's systems)
 
     @property
     def tok_s(self) -> float:

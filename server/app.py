@@ -33,6 +33,7 @@ class Served:
     name: str  # the model id of /v1/models
     tokenizer: Tokenizer
     checkpoint_sampling: dict[str, float | int] | None  # generation_config.json's defaults
+    vocab_size: int  # the model's: token ids of a prompt are below it
 
 
 class Refused(Exception):
@@ -87,9 +88,19 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        if isinstance(body.prompt, list) and len(body.prompt) != 1:
-            raise Refused(400, f"prompt: one prompt per request, got a list of {len(body.prompt)}", param="prompt")
-        return await answer(body, served.tokenizer.encode(body.text()), Reply(False, served.name), http)
+        return await answer(body, completion_prompt(body.prompt), Reply(False, served.name), http)
+
+    def completion_prompt(prompt: str | list[str] | list[int]) -> list[int]:
+        """The prompt's token ids: a text encoded, or ids as given."""
+        if isinstance(prompt, str):
+            return served.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], int):
+            if not all(0 <= token < served.vocab_size for token in prompt):
+                raise Refused(400, f"prompt: token ids must be in 0..{served.vocab_size - 1}", param="prompt")
+            return list(prompt)
+        if len(prompt) != 1:
+            raise Refused(400, f"prompt: one prompt per request, got a list of {len(prompt)}", param="prompt")
+        return served.tokenizer.encode(prompt[0])
 
     async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest):
         job = submit(body, prompt)

@@ -70,14 +70,10 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int]  # text, a list of one text, or token ids
 
     def answer_limit(self) -> int | None:
         return self.max_tokens
-
-    def text(self) -> str:
-        """The one prompt: a string, or a list of one string."""
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:

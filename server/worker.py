@@ -130,6 +130,8 @@ class Worker:
             "waiting": len(self.jobs) - running,
             "free_blocks": 0 if batch is None else len(batch.session.cache.free),
             "pool_blocks": 0 if batch is None else batch.pool_blocks,
+            "kv_peak_bytes": 0 if batch is None else batch.session.cache.peak_bytes,
+            "most_running": 0 if batch is None else batch.most_rows,
             "served": self.served,
             "cancelled": self.cancelled,
         }

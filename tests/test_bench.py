@@ -377,3 +377,26 @@ def test_as_user_times_the_default_command_in_fresh_processes(capsys, monkeypatc
     assert set(rows) == expected
     for wall, rate, *_ in rows.values():
         assert float(wall) > 7 / float(rate)  # 7 decode steps at the reported rate fit inside the wall time
+
+
+def test_the_server_under_the_serving_workload(chat_checkpoint, tmp_path):
+    """bench.py --workload --serve: the same prompts through serve.py all at once and one at a
+    time, equal answers, time to first token, and the run with faults fully accounted for."""
+    out = tmp_path / "serving.json"
+    argv = ["--checkpoint", str(chat_checkpoint), "--dtype", "float32", "--workload", "5", "--workload-prompt-len", "4-20", "--workload-new-tokens", "3-9"]
+    argv += ["--max-batch", "2", "--block-size", "4", "--trials", "1", "--no-compile", "--serve", "--json", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    new_tokens = data["config"]["new_tokens"]
+    for name in ("engine_continuous", "server_concurrent", "server_one_by_one"):
+        assert data[name]["tok_s"] == pytest.approx(sum(new_tokens) / data[name]["seconds"])
+    together, alone = data["server_concurrent"], data["server_one_by_one"]
+    assert together["extras"]["tokens"] == alone["extras"]["tokens"] == new_tokens
+    assert together["extras"]["texts"] == alone["extras"]["texts"]
+    assert 0 < together["ttft_p50_s"] <= together["ttft_p95_s"] and alone["most_rows"] == 1
+    faults = together["extras"]["faults"]
+    assert faults["bad_with_4xx_error_body"] == faults["bad_requests"] == 100 and faults["answers_equal_clean_run"] == faults["answers"] == 5
+    assert faults["free_blocks"] == faults["pool_blocks"] == data["config"]["pool_blocks"]
+    assert "server_concurrent/server_one_by_one: throughput" in stdout.getvalue()

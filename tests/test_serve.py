@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import generate
+from weights.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120
@@ -29,10 +30,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, checkpoint: Path, *options: str):
+    def __init__(self, checkpoint: Path | None, *options: str, log_dir: Path | None = None):
+        """checkpoint None: the bundled model."""
         self.port = free_port()
-        self.log = open(checkpoint.parent / f"serve-{self.port}.log", "w+")
-        argv = [sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", str(self.port), "--dtype", "float32", *options]
+        self.log = open((log_dir or checkpoint.parent) / f"serve-{self.port}.log", "w+")
+        argv = [sys.executable, str(REPO / "serve.py"), "--port", str(self.port), "--dtype", "float32", *options]
+        argv += [] if checkpoint is None else ["--checkpoint", str(checkpoint)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
@@ -124,6 +127,8 @@ def test_the_openai_client_gets_generate_py_answers_at_temperature_0(server, cha
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == text.usage.prompt_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    ids = Tokenizer.from_dir(chat_checkpoint).encode("Once upon a time")
+    assert client.completions.create(model=chat_checkpoint.name, prompt=ids, max_tokens=16, temperature=0).choices[0].text == plain
 
 
 def test_a_stop_string_or_eos_ends_with_finish_reason_stop(server, chat_checkpoint, capsys):
@@ -180,6 +185,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "maximum of 512 positions"),
     ("/v1/completions", {"prompt": "fox " * 300}, "no room"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
+    ("/v1/completions", {"prompt": [5, 1_000_000]}, "token ids must be in"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, "stream"),
     ("/v1/completions", {}, "prompt"),
@@ -293,3 +299,21 @@ def test_503_while_starting_then_compiled_answers_and_sigterm_drains_a_running_s
         assert compiled.process.wait(timeout=60) == -signal.SIGTERM
     finally:
         compiled.stop()
+
+
+@pytest.mark.real
+def test_the_bundled_model_served_gives_generate_py_golden_answer(tmp_path):
+    """SmolLM2 through serve.py, chat and streamed, at temperature 0: generate.py's answer
+    (tests/test_real_models.py holds generate.py to it)."""
+    bundled = Server(None, "--no-compile", "--max-batch", "4", log_dir=tmp_path)
+    try:
+        bundled.wait_ready()
+        client = bundled.client()
+        name = client.models.list().data[0].id
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model=name, messages=question, max_tokens=24, temperature=0)
+        assert answer.choices[0].message.content == "The capital of France is Paris." and answer.choices[0].finish_reason == "stop"
+        streamed = client.chat.completions.create(model=name, messages=question, max_tokens=24, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == "The capital of France is Paris."
+    finally:
+        assert bundled.stop() == -signal.SIGTERM
