@@ -123,8 +123,8 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
             worker.check(request)
             job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
             worker.submit(job)
-        except UserError as e:
-            raise Refused(400, str(e)) from None
+        except UserError as e:  # the engine's checks name generate.py's flag; an API client sets max_tokens
+            raise Refused(400, str(e).replace("--max-new-tokens", "max_tokens")) from None
         except NotReady as e:
             raise Refused(503, f"{e}; retry shortly", "server_error", code="not_ready") from None
         except Busy as e:
@@ -134,7 +134,7 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
     async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         ended = False
         try:
-            yield reply.chunk("", first=True) if reply.chat else reply.chunk("")
+            yield reply.chunk("", first=True)
             while True:
                 item = await job.events.get()
                 if isinstance(item, str):

@@ -182,7 +182,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 400}, "cache slots"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "maximum of 512 positions"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "maximum of 512 positions; shorten the prompt or lower max_tokens"),
     ("/v1/completions", {"prompt": "fox " * 300}, "no room"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt"),
     ("/v1/completions", {"prompt": [5, 1_000_000]}, "token ids must be in"),
