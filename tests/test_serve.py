@@ -317,3 +317,21 @@ def test_the_bundled_model_served_gives_generate_py_golden_answer(tmp_path):
         assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == "The capital of France is Paris."
     finally:
         assert bundled.stop() == -signal.SIGTERM
+
+
+def test_a_client_that_hangs_up_while_waiting_for_a_row_never_takes_one(chat_checkpoint):
+    one_row = Server(chat_checkpoint, "--no-compile", "--max-batch", "1", "--context", "512")
+    try:
+        one_row.wait_ready()
+        client = one_row.client()
+        long = client.completions.create(model=chat_checkpoint.name, prompt="fox", max_tokens=500, temperature=0, stream=True)
+        next(long)
+        with socket.create_connection(("127.0.0.1", one_row.port), timeout=30) as s:  # waits for the one row, then hangs up
+            body = json.dumps({"prompt": "a second one", "max_tokens": 20, "stream": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")
+        answer = "".join(chunk.choices[0].text for chunk in long)
+        assert answer and one_row.get("/stats")[1]["cancelled"] == 1
+        assert "cancelled after 0 tokens" in one_row.output()
+    finally:
+        assert one_row.stop() == -signal.SIGTERM
