@@ -24,7 +24,8 @@ continuous batching on the paged cache, by static batching on the contiguous cac
 and by transformers' batched generate: aggregate tok/s, KV cache peak, most prompts at once.
 With --serve, the continuous batch in-process against serve.py over HTTP, every request at once
 and one at a time, with time to first token, and a run with bad requests and hang-ups among the
-load (benchmark/load.py).
+load (benchmark/load.py); with llama-cpp-python installed and the bundled model (or --compare
+llama.cpp --gguf FILE), its server under the same load too.
 
 Under torchrun (any --nproc-per-node, 1 included) the engine alone runs, split over the ranks
 (benchmark/parallel.py): decode tok/s and TTFT, and each rank's KV heads, weights read per step,
@@ -298,9 +299,13 @@ def run_workload(args: argparse.Namespace) -> None:
     new_tokens = span("--workload-new-tokens", args.workload_new_tokens)
     max_batch = positive("--max-batch", args.max_batch)
     trials = positive("--trials", args.trials)
-    if args.compare == "llama.cpp" or args.sweep is not None or args.prompt_len is not None or args.batch != 1:
-        raise UserError("--workload draws its own prompts and compares with transformers only; drop --sweep, --prompt-len, --batch and --compare llama.cpp")
+    if (args.compare == "llama.cpp" and not args.serve) or args.sweep is not None or args.prompt_len is not None or args.batch != 1:
+        raise UserError(
+            "--workload draws its own prompts and compares with transformers (llama.cpp's server with --serve); "
+            "drop --sweep, --prompt-len, --batch, or --compare llama.cpp without --serve"
+        )
     compare = compared_system(args, 1)
+    gguf = gguf_file(args, compare) if compare == "llama.cpp" else None  # installed: compared_system says so
     if args.json is not None and not args.json.parent.is_dir():
         raise UserError(f"cannot write {args.json}: folder {args.json.parent} does not exist")
     device = pick_device(args.device)
@@ -317,7 +322,7 @@ def run_workload(args: argparse.Namespace) -> None:
         peer_checkpoint=peer_checkpoint(args, checkpoint, compare), kv_dtype=args.kv_dtype,
     )
     machine = describe_machine(device)
-    figures_by_system = measure_serving(w, compare, args.serve)
+    figures_by_system = measure_serving(w, compare, args.serve, gguf, torch.get_num_threads())
     print_serving(w, machine, figures_by_system)
     if args.json is not None:
         args.json.write_text(json.dumps(serving_json(w, machine, figures_by_system), indent=2) + "\n")

@@ -1,5 +1,6 @@
 """serve.py under load (bench.py --workload N --serve): the workload's requests sent over HTTP to
-a server in a subprocess, all at once (one client thread each, streaming) or one at a time.
+a server in a subprocess, all at once (one client thread each, streaming) or one at a time; with
+--compare llama.cpp, the same requests all at once to llama-cpp-python's server on the GGUF file.
 
 Each request is a token-id prompt to /v1/completions at temperature 0, the server started with
 --ignore-eos, so every answer runs to its own max_tokens, as in the in-process systems. A trial
@@ -10,6 +11,10 @@ After its last trial the concurrent system runs the workload once more with faul
 100 bad requests (malformed JSON, wrong types, negative or oversized max_tokens, prompts beyond
 the model's positions) and 8 clients that hang up mid-answer. It checks that every bad request
 got its 4xx, that the good answers equal the clean run's, and that the pool has every block back.
+
+llama-cpp-python's server takes text prompts only: it gets each prompt's ids decoded to text,
+which it tokenizes again (the counts differ a little; both report their own), and no EOS through
+a logit bias. It answers one request at a time: that is what people get from it.
 """
 
 import http.client
@@ -22,7 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,7 @@ from benchmark.workers import Loaded
 from benchmark.workload import ServingTrial, ServingWorkload, dtype_name, progress
 from engine.scheduler import Request
 from errors import UserError
+from weights.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600  # loading and compiling a model
@@ -47,34 +55,28 @@ class Answer:
 
 
 class ServerProcess:
-    """serve.py in a subprocess on a free port of 127.0.0.1, with the workload's model and pool."""
+    """A server in a subprocess on a free port of 127.0.0.1: `command(port)` starts it, and it is
+    ready once GET `ready_path` answers 200."""
 
-    def __init__(self, w: ServingWorkload, pool_blocks: int):
+    def __init__(self, command: Callable[[int], list[str]], ready_path: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        argv = [
-            sys.executable, str(REPO / "serve.py"), "--checkpoint", str(w.checkpoint), "--port", str(self.port), "--dtype", dtype_name(w.dtype),
-            "--device", w.device.type, "--max-batch", str(w.max_batch), "--max-waiting", str(len(w.requests) + BAD_REQUESTS + HANG_UPS),
-            "--context", str(w.row_slots), "--kv-blocks", str(pool_blocks), "--block-size", str(w.pages.block_size), "--ignore-eos",
-            "--compile" if w.compile else "--no-compile", "--quant", w.quant, "--group-size", str(w.group_size), "--kv-dtype", w.kv_dtype,
-            *compression_options(w),
-        ]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-bench-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.process = subprocess.Popen(command(self.port), stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise UserError(f"serve.py exited while starting; its log: {self.log_path}")
+                raise UserError(f"the server exited while starting; its log: {self.log_path}")
             try:
-                if self.get("/health")[0] == 200:
+                if self.get(ready_path)[0] == 200:
                     return
             except OSError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise UserError(f"serve.py was not ready after {START_TIMEOUT_S} s; its log: {self.log_path}")
+        raise UserError(f"the server was not ready after {START_TIMEOUT_S} s; its log: {self.log_path}")
 
     def get(self, path: str) -> tuple[int, Any]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -102,6 +104,24 @@ class ServerProcess:
         self.log.close()
 
 
+def serve_py(w: ServingWorkload, pool_blocks: int, port: int) -> list[str]:
+    """serve.py with the workload's model, rows and pool; no EOS, so every answer runs to its max_tokens."""
+    return [
+        sys.executable, str(REPO / "serve.py"), "--checkpoint", str(w.checkpoint), "--port", str(port), "--dtype", dtype_name(w.dtype),
+        "--device", w.device.type, "--max-batch", str(w.max_batch), "--max-waiting", str(len(w.requests) + BAD_REQUESTS + HANG_UPS),
+        "--context", str(w.row_slots), "--kv-blocks", str(pool_blocks), "--block-size", str(w.pages.block_size), "--ignore-eos",
+        "--compile" if w.compile else "--no-compile", "--quant", w.quant, "--group-size", str(w.group_size), "--kv-dtype", w.kv_dtype,
+        *compression_options(w),
+    ]
+
+
+def llama_server(gguf: Path, context: int, threads: int, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "--n_ctx", str(context), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+    ]
+
+
 def compression_options(w: ServingWorkload) -> list[str]:
     c = w.compression
     if not c.enabled:
@@ -113,12 +133,13 @@ def completion_body(request: Request, stream: bool) -> dict:
     return {"prompt": request.prompt, "max_tokens": request.max_new_tokens, "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}
 
 
-def stream_one(port: int, request: Request, start: float) -> Answer:
-    """One streamed completion, read to its end."""
+def stream_one(port: int, body: dict, start: float) -> Answer:
+    """One streamed completion, read to its end. Its tokens: the usage's count, else (a server
+    that streams no usage) max_tokens when it ended on its length."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     try:
         sent = time.perf_counter()
-        connection.request("POST", "/v1/completions", json.dumps(completion_body(request, True)), {"Content-Type": "application/json"})
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
         if response.status != 200:
             raise UserError(f"the server answered {response.status}: {response.read()[:300]!r}")
@@ -130,6 +151,8 @@ def stream_one(port: int, request: Request, start: float) -> Answer:
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 first = first or time.perf_counter()
                 pieces.append(chunk["choices"][0]["text"])
+            if chunk["choices"] and chunk["choices"][0].get("finish_reason") == "length":
+                tokens = tokens or body["max_tokens"]
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
         now = time.perf_counter()
@@ -138,16 +161,18 @@ def stream_one(port: int, request: Request, start: float) -> Answer:
         connection.close()
 
 
-def run_all(port: int, requests: list[Request], concurrent: bool, faults: bool = False) -> tuple[list[Answer], float, dict]:
+def run_all(port: int, requests: list[Request], concurrent: bool, faults: bool = False, body: Callable[[Request], dict] | None = None) -> tuple[list[Answer], float, dict]:
     """Every request, all at once (a thread each) or in order; with faults, the bad requests and
-    hang-ups among them. Returns the answers, the seconds, and what the faults got."""
+    hang-ups among them; body: a request's JSON (default: completion_body). Returns the answers,
+    the seconds, and what the faults got."""
+    body = body or (lambda request: completion_body(request, True))
     answers: dict[int, Answer] = {}
     failures: list[str] = []
     start = time.perf_counter()
 
     def ask(i: int) -> None:
         try:
-            answers[i] = stream_one(port, requests[i], start)
+            answers[i] = stream_one(port, body(requests[i]), start)
         except Exception as e:  # reported once every thread is done
             failures.append(f"request {i}: {e}")
 
@@ -214,7 +239,7 @@ def hang_up(port: int, request: Request, results: dict) -> None:
 def load_server(w: ServingWorkload, pool_blocks: int, concurrent: bool) -> Loaded:
     """A worker's system: the server started, one warm-up run of the whole workload done."""
     progress(f"serve.py ({'all at once' if concurrent else 'one at a time'}): starting the server with {w.checkpoint} as {dtype_name(w.dtype)}")
-    server = ServerProcess(w, pool_blocks)
+    server = ServerProcess(partial(serve_py, w, pool_blocks), "/health")
     last: list[list[Answer]] = []
 
     def measure(requests: list[Request] = w.requests) -> ServingTrial:
@@ -254,3 +279,29 @@ def load_server(w: ServingWorkload, pool_blocks: int, concurrent: bool) -> Loade
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100), linear between the nearest ranks."""
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def load_llama_server(w: ServingWorkload, gguf: Path, threads: int) -> Loaded:
+    """A worker's system: llama-cpp-python's server on the GGUF file, every request at once."""
+    progress(f"llama-cpp-python's server: starting it on {gguf}, {threads} threads")
+    tokenizer = Tokenizer.from_dir(w.checkpoint)
+    no_eos = {str(token): -100.0 for token in tokenizer.eos_ids}
+
+    def body(request: Request) -> dict:
+        text = tokenizer.decode(request.prompt)
+        return {"prompt": text, "max_tokens": request.max_new_tokens, "temperature": 0, "stream": True, "logit_bias": no_eos}
+
+    server = ServerProcess(partial(llama_server, gguf, 2 * w.row_slots, threads), "/v1/models")
+
+    def measure(requests: list[Request] = w.requests) -> ServingTrial:
+        answers, seconds, _ = run_all(server.port, requests, True, body=body)
+        return ServingTrial(seconds, sum(a.tokens for a in answers), 0, 1, [a.ttft_s for a in answers])
+
+    def extras() -> dict:
+        result = {"peak_mem_bytes": server.peak_memory_bytes()}
+        server.stop()
+        return result
+
+    progress(f"llama-cpp-python's server: warm-up run of {w.max_batch} requests")
+    measure(w.requests[: w.max_batch])
+    return Loaded(measure, extras)

@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmark.load import load_server, percentile
+from benchmark.load import load_llama_server, load_server, percentile
 from benchmark.machine import Machine, synchronize
 from benchmark.report import MIB, number, table
 from benchmark.workers import Loaded, System, SystemRun, timed_in_turn
@@ -161,12 +162,15 @@ class ServingFigures:
         )
 
 
-def measure_serving(w: ServingWorkload, compare: str, over_http: bool) -> dict[str, ServingFigures]:
-    """over_http: the in-process continuous batch against serve.py, all at once and one at a time."""
+def measure_serving(w: ServingWorkload, compare: str, over_http: bool, gguf: Path | None = None, threads: int = 1) -> dict[str, ServingFigures]:
+    """over_http: the in-process continuous batch against serve.py, all at once and one at a time,
+    and with gguf, llama-cpp-python's server on that file, with `threads` threads."""
     systems: dict[str, System] = {"engine_continuous": (load_engine_continuous, ())}
     if over_http:
         pool = pool_pages(w).n_blocks
         systems |= {"server_concurrent": (load_server, (pool, True)), "server_one_by_one": (load_server, (pool, False))}
+        if gguf is not None:
+            systems["llama_server"] = (load_llama_server, (gguf, threads))
     else:
         systems["engine_static"] = (load_engine_static, ())
         if compare == "transformers":
@@ -193,7 +197,7 @@ def print_serving(w: ServingWorkload, machine: Machine, figures: dict[str, Servi
     rows = [
         ["throughput (new tok/s)", *(number(figures[n].tok_s) for n in names)],
         ["whole run (s)", *(number(figures[n].seconds) for n in names)],
-        ["KV cache at its peak (MiB)", *(number(figures[n].kv_peak_mib) for n in names)],
+        ["KV cache at its peak (MiB)", *(number(figures[n].kv_peak_mib) if figures[n].kv_peak_mib else "-" for n in names)],
         ["most prompts at once", *(str(figures[n].most_rows) for n in names)],
         ["process peak memory (MiB)", *(number(figures[n].peak_mem_mib) for n in names)],
     ]
