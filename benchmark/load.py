@@ -14,7 +14,9 @@ got its 4xx, that the good answers equal the clean run's, and that the pool has 
 
 llama-cpp-python's server takes text prompts only: it gets each prompt's ids decoded to text,
 which it tokenizes again (the counts differ a little; both report their own), and no EOS through
-a logit bias. It answers one request at a time: that is what people get from it.
+a logit bias. It answers one request at a time, and by default cuts a running stream short when
+another request arrives: the benchmark turns that off (--interrupt_requests False), so that
+every answer runs to its end.
 """
 
 import http.client
@@ -119,6 +121,7 @@ def llama_server(gguf: Path, context: int, threads: int, port: int) -> list[str]
     return [
         sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--n_ctx", str(context), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+        "--interrupt_requests", "False",  # by default a waiting request cuts the running stream short
     ]
 
 
