@@ -16,6 +16,8 @@ sampling settings change between steps, and a graph would keep the filters of it
 
 import argparse
 import logging
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> None:
     dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=args.max_batch)
     pages = page_config(args, device, True)
     compile = device.type == "cpu" if args.compile is None else args.compile
+    listening = listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     def start_batch(on_tokens) -> ContinuousBatch:
@@ -119,10 +122,19 @@ def run(args: argparse.Namespace) -> None:
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
     worker.start()
-    server.run()
+    server.run(sockets=[listening])
     worker.stop()
     if worker.error is not None:
         raise worker.error if isinstance(worker.error, UserError) else UserError(f"the engine failed: {worker.error}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one clear error, not a
+    failure after minutes of loading (and requests meanwhile get 503, not a refused connection)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}); pick another --port, or stop what listens there") from None
 
 
 if __name__ == "__main__":

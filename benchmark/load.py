@@ -53,7 +53,6 @@ class Answer:
     text: str
     tokens: int  # the usage's completion_tokens
     ttft_s: float
-    done_s: float  # from the trial's start
 
 
 class ServerProcess:
@@ -136,7 +135,7 @@ def completion_body(request: Request, stream: bool) -> dict:
     return {"prompt": request.prompt, "max_tokens": request.max_new_tokens, "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}
 
 
-def stream_one(port: int, body: dict, start: float) -> Answer:
+def stream_one(port: int, body: dict) -> Answer:
     """One streamed completion, read to its end. Its tokens: the usage's count, else (a server
     that streams no usage) max_tokens when it ended on its length."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
@@ -159,7 +158,7 @@ def stream_one(port: int, body: dict, start: float) -> Answer:
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
         now = time.perf_counter()
-        return Answer("".join(pieces), tokens, (first or now) - sent, now - start)
+        return Answer("".join(pieces), tokens, (first or now) - sent)
     finally:
         connection.close()
 
@@ -175,7 +174,7 @@ def run_all(port: int, requests: list[Request], concurrent: bool, faults: bool =
 
     def ask(i: int) -> None:
         try:
-            answers[i] = stream_one(port, body(requests[i]), start)
+            answers[i] = stream_one(port, body(requests[i]))
         except Exception as e:  # reported once every thread is done
             failures.append(f"request {i}: {e}")
 

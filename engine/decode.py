@@ -99,13 +99,13 @@ def decode_step(
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)
+    cache.length += 1
+    cache.position += 1  # now the position the sampled token takes, which seeded draws count by
     # A finished row keeps running (shapes are static), feeding its last token again: a real
     # token id, which EOS is not when a model has none (its stand-in, -1, is no embedding row).
-    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen, cache.position + 1))
+    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen, cache.position))
     finished |= torch.isin(next_tokens, eos_ids)
     tokens.copy_(next_tokens)
-    cache.length += 1
-    cache.position += 1
     return logits
 
 

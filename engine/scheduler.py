@@ -24,7 +24,7 @@ from compression.config import CompressionConfig
 from compression.manager import PerRowManagers
 from engine.generation import OnTokens, Session, check_lengths
 from engine.paged_cache import PageConfig, PagedKVCache
-from engine.sampling import RowSampling, SamplingConfig
+from engine.sampling import SamplingConfig
 from errors import UserError
 from models.transformer import Transformer
 
@@ -38,7 +38,7 @@ class ContinuousSession(Session):
 
     def __init__(self, model: Transformer, batch: int, n_slots: int, *, pages: PageConfig, **options):
         super().__init__(model, batch, n_slots, pages=pages, **options)
-        if self.seen is None and isinstance(options.get("sampling"), RowSampling):  # a row may join with a penalty
+        if self.seen is None:  # a request may join with a repetition penalty of its own (admit)
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
         self.finished.fill_(True)
         self.joined = [False] * batch  # host: the rows holding a prompt
@@ -57,8 +57,7 @@ class ContinuousSession(Session):
         assert not self.joined[row], "admit needs an idle row"
         if sampling is not None:
             self.sampling.set_row(row, sampling, seed)
-        if self.seen is not None:
-            self.seen[row] = False  # an idle row's steps marked the tokens it fed
+        self.seen[row] = False  # an idle row's steps marked the tokens it fed
         self.cache.reserve(row, len(prompt))
         manager = None
         if self.manager is not None:

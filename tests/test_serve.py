@@ -39,38 +39,33 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
-    def get(self, path: str) -> tuple[int, dict]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            connection.request("GET", path)
-            response = connection.getresponse()
-            return response.status, json.loads(response.read())
-        finally:
-            connection.close()
-
-    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    def call(self, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict]:
+        """One request over raw HTTP; the status and the JSON answer."""
+        data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
-            connection.request("POST", path, data, {"Content-Type": "application/json"})
+            connection.request(method, path, data, {"Content-Type": "application/json"})
             response = connection.getresponse()
             return response.status, json.loads(response.read())
         finally:
             connection.close()
 
-    def wait_ready(self) -> list[int]:
-        """Poll /health until 200; the statuses seen on the way."""
-        seen, deadline = [], time.monotonic() + START_TIMEOUT_S
+    def get(self, path: str) -> tuple[int, dict]:
+        return self.call("GET", path)
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        return self.call("POST", path, body)
+
+    def wait_ready(self) -> None:
+        """Poll /health until 200."""
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.output()
             try:
-                status, _ = self.get("/health")
+                if self.get("/health")[0] == 200:
+                    return
             except OSError:
-                time.sleep(0.05)
-                continue
-            seen.append(status)
-            if status == 200:
-                return seen
+                pass
             time.sleep(0.05)
         raise AssertionError(f"the server was not ready in {START_TIMEOUT_S} s:\n{self.output()}")
 
@@ -208,11 +203,16 @@ def test_unknown_models_and_routes_get_404s_and_the_server_lives_on(server, chat
     assert server.get("/health")[0] == 200
 
 
+def send_raw(s: socket.socket, body: dict) -> None:
+    """A completion request written straight to a socket, so that the test decides when to hang up."""
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+
+
 def read_some_then_hang_up(port: int, n_events: int) -> None:
     """A streaming client that reads a few events and closes its connection mid-answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        body = json.dumps({"prompt": "fox " * 20, "max_tokens": 190, "stream": True, "temperature": 0}).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        send_raw(s, {"prompt": "fox " * 20, "max_tokens": 190, "stream": True, "temperature": 0})
         received = b""
         while received.count(b"data: ") < n_events:
             chunk = s.recv(4096)
@@ -327,11 +327,22 @@ def test_a_client_that_hangs_up_while_waiting_for_a_row_never_takes_one(chat_che
         long = client.completions.create(model=chat_checkpoint.name, prompt="fox", max_tokens=500, temperature=0, stream=True)
         next(long)
         with socket.create_connection(("127.0.0.1", one_row.port), timeout=30) as s:  # waits for the one row, then hangs up
-            body = json.dumps({"prompt": "a second one", "max_tokens": 20, "stream": True}).encode()
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            send_raw(s, {"prompt": "a second one", "max_tokens": 20, "stream": True})
             assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")
         answer = "".join(chunk.choices[0].text for chunk in long)
         assert answer and one_row.get("/stats")[1]["cancelled"] == 1
         assert "cancelled after 0 tokens" in one_row.output()
     finally:
         assert one_row.stop() == -signal.SIGTERM
+
+
+def test_a_port_in_use_is_one_clear_error(chat_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, str(REPO / "serve.py"), "--checkpoint", str(chat_checkpoint), "--port", str(port), "--no-compile"],
+            capture_output=True, text=True, cwd=REPO, timeout=120,
+        )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port} (Address already in use); pick another --port, or stop what listens there"]
