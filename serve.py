@@ -15,6 +15,7 @@ sampling settings change between steps, and a graph would keep the filters of it
 """
 
 import argparse
+import errno
 import logging
 import os
 import socket
@@ -132,10 +133,14 @@ def listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use is one clear error, not a
     failure after minutes of loading (and requests meanwhile get 503, not a refused connection)."""
     try:
+        socket.getaddrinfo(host, port)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host} is not an address ({e.strerror}); give one such as 127.0.0.1, or 0.0.0.0 for every interface") from None
+    try:
         return socket.create_server((host, port))
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}); pick another --port, or stop what listens there") from None
-
+        remedy = "pick another --port, or stop what listens there" if e.errno == errno.EADDRINUSE else "give a --host of this machine"
+        raise UserError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}); {remedy}") from None
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)

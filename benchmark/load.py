@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -276,11 +275,6 @@ def load_server(w: ServingWorkload, pool_blocks: int, concurrent: bool) -> Loade
     progress(f"serve.py ({'all at once' if concurrent else 'one at a time'}): warm-up run of {w.max_batch} requests")
     measure(w.requests[: w.max_batch])
     return Loaded(measure, extras)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the nearest ranks."""
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
 def load_llama_server(w: ServingWorkload, gguf: Path, threads: int) -> Loaded:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmark.load import load_llama_server, load_server, percentile
+from benchmark.load import load_llama_server, load_server
 from benchmark.machine import Machine, synchronize
 from benchmark.report import MIB, number, table
 from benchmark.workers import Loaded, System, SystemRun, timed_in_turn
@@ -135,6 +135,11 @@ def load_transformers_batched(w: ServingWorkload) -> Loaded:
     progress("transformers: warm-up run")
     measure()
     return Loaded(measure, lambda: None)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the nearest ranks."""
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
 @dataclass(frozen=True)
