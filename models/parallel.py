@@ -26,7 +26,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as collectives
 
 from errors import UserError
 from models.config import ModelConfig
@@ -34,6 +33,12 @@ from models.config import ModelConfig
 # How long a collective waits for the other ranks before it fails: long enough for the slowest
 # rank's first torch.compile, short enough that a dead or stuck rank ends the run.
 DEFAULT_TIMEOUT_S = 600
+
+# The functional collectives' own ops, each waited at once; torch.compile traces them into its
+# graphs. Not their wrappers (torch.distributed._functional_collectives), which keep the process
+# group alive after it is destroyed: gloo's threads then outlive the run, and one still freeing a
+# tensor as the interpreter exits aborts the rank (SIGABRT, "terminate called without an active exception").
+COLLECTIVES = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -128,16 +133,17 @@ def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor
     """The sum of every rank's x (partial products of a row-split layer); x itself on one rank."""
     if parallel is None:
         return x
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        # gloo: its 16-bit sum measured slower than float32's (docs/tensor-parallel.md), and some versions have none;
-        # summed in float32, the result is rounded once on the way back.
-        return collectives.all_reduce(x.float(), "sum", parallel.group).to(x.dtype)
-    return collectives.all_reduce(x, "sum", parallel.group)
+    # gloo: its 16-bit sum measured slower than float32's (docs/tensor-parallel.md), and some versions have none;
+    # summed in float32, the result is rounded once on the way back.
+    widened = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    summed = COLLECTIVES.all_reduce(x.float() if widened else x, "sum", parallel.group.group_name)
+    return COLLECTIVES.wait_tensor(summed).to(x.dtype)
 
 
 def gather_vocab(logits: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor:
     """[..., V/N] each rank's logits -> [..., V] all of them, in vocabulary order, on every rank."""
     if parallel is None:
         return logits
-    gathered = collectives.all_gather_single(logits.movedim(-1, 0).contiguous(), 0, parallel.group)  # [V, ...]
-    return gathered.movedim(0, -1)
+    parts = logits.movedim(-1, 0).contiguous()  # [V/N, ...]
+    gathered = COLLECTIVES.all_gather_into_tensor(parts, parallel.world, parallel.group.group_name)  # [V, ...]
+    return COLLECTIVES.wait_tensor(gathered).movedim(0, -1)

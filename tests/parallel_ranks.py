@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 tests/parallel_ranks.py CASES.json OUT.json
 
 Every rank runs each case of CASES.json (a list of `Case` fields) on its part of the model; rank
-0 writes each case's tokens, and whether every rank produced the same, to OUT.json. The test
-runs the same cases in one process with `run_case(..., parallel=None)` and compares.
+0 writes each case's tokens, and whether every rank produced the same, to OUT.json, with the
+threads it still runs once the ranks have stopped. The test runs the same cases in one process
+with `run_case(..., parallel=None)` and compares.
 """
 
 import json
@@ -71,9 +72,16 @@ def main(cases_file: str, out_file: str) -> None:
         every_rank: list[object] = [None] * tp.world
         dist.all_gather_object(every_rank, tokens, group=tp.group)
         results.append({"case": asdict(case), "tokens": tokens, "ranks_agree": all(t == tokens for t in every_rank)})
-    if tp.rank == 0:
-        Path(out_file).write_text(json.dumps(results))
+    rank = tp.rank
     parallel.stop(tp, finished=True)
+    del tp  # the last reference to the process group: destroying it ends gloo's threads
+    if rank == 0:
+        Path(out_file).write_text(json.dumps({"cases": results, "threads_after_stop": thread_names()}))
+
+
+def thread_names() -> list[str]:
+    """Every thread of this process by its kernel name, C++ threads included (Linux)."""
+    return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
 
 
 if __name__ == "__main__":

@@ -41,7 +41,12 @@ def run_ranks(cases: list[Case], tmp_path: Path) -> list[dict]:
     (tmp_path / "cases.json").write_text(json.dumps([asdict(c) for c in cases]))
     done = torchrun(str(REPO / "tests" / "parallel_ranks.py"), str(tmp_path / "cases.json"), str(tmp_path / "out.json"))
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((tmp_path / "out.json").read_text())
+    out = json.loads((tmp_path / "out.json").read_text())
+    # gloo's threads end with the process group: one still running as the interpreter exits aborted
+    # a rank (SIGABRT). A compiled step's traced graphs keep the group alive until exit (not fixed).
+    if not any(case.compile for case in cases):
+        assert not [name for name in out["threads_after_stop"] if "gloo" in name], out["threads_after_stop"]
+    return out["cases"]
 
 
 def assert_equal_to_one_process(cases: list[Case], tmp_path: Path) -> None:
