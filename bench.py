@@ -60,11 +60,12 @@ from benchmark.workers import System, timed_in_turn
 from benchmark.workload import ServingWorkload, Workload, progress
 from cli import (
     DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
-    pick_device, pick_dtype,
+    attention_line, pick_device, pick_dtype,
     ranks_running, start_ranks,
 )
 from engine.paged_cache import PageConfig
 from errors import UserError, run_command
+from models.config import ModelConfig
 from weights.loader import read_config, stored_quantized
 from weights.tokenizer import Tokenizer
 
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> None:
 
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     pages = page_config(args, device, args.paged)
+    say_attention(device, dtype, config, args, pages)
     machine = describe_machine(device)
     reports = []
     for length in lengths:
@@ -276,6 +278,12 @@ def run(args: argparse.Namespace) -> None:
         data = reports[0].to_json() if args.sweep is None else {"sweep": [r.to_json() for r in reports], "plot": str(plot)}
         args.json.write_text(json.dumps(data, indent=2) + "\n")
         progress(f"wrote {args.json}")
+
+
+def say_attention(device: torch.device, dtype: torch.dtype, config: ModelConfig, args: argparse.Namespace, pages: PageConfig | None) -> None:
+    line = attention_line(device, dtype, config, args.kv_dtype, pages, args.kv_store)
+    if line is not None:
+        progress(line)
 
 
 def run_as_user(args: argparse.Namespace) -> None:
@@ -317,6 +325,7 @@ def run_workload(args: argparse.Namespace) -> None:
     requests = random_requests(config.vocab_size, n, prompt_lens, new_tokens, PROMPT_SEED)
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     pages = page_config(args, device, True)
+    say_attention(device, dtype, config, args, pages)
     w = ServingWorkload(
         checkpoint, dtype, device, requests, max_batch, trials, compile_step, compression_config(args), pages, quant, args.group_size,
         peer_checkpoint=peer_checkpoint(args, checkpoint, compare), kv_dtype=args.kv_dtype,

@@ -17,7 +17,9 @@ from engine.sampling import SamplingConfig
 from engine.stop_strings import StopStrings
 from errors import UserError
 from models import parallel
-from models.kv_quant import KV_BITS, KV_DTYPES
+from models.config import ModelConfig
+from models.flash_attention import why_not_flash
+from models.kv_quant import KV_BITS, KV_DTYPES, kv_storage
 from models.linear import NATIVE_CPU_MATMUL
 from models.parallel import TensorParallel
 from models.quantized import GROUP_SIZES, QUANT_MODES
@@ -54,13 +56,14 @@ def checkpoint_and_quant(checkpoint: str | None, quant: str, group_size: int) ->
     The bundled SmolLM2's file is 4-bit (Q4_1): by default, and for --quant int4 in groups of its
     own 32, the engine runs those blocks as they are (weights/gguf_blocks.py), so each token reads
     the bytes llama.cpp reads; a float copy of them reads 8 times as many. --quant none gives the
-    float copy, --quant int8 that copy in 8 bits."""
+    float copy, --quant int8 that copy in 8 bits. Under torchrun, whose tensor parallelism splits
+    16/32-bit weights only, the default is the float copy."""
     if checkpoint is None:
         from weights.gguf_blocks import GROUP  # the GGUF machinery, imported only for the bundled model
         from weights.packaged import smollm2_checkpoint
 
-        own_blocks = quant == "auto" or (quant == "int4" and group_size == GROUP)
-        return smollm2_checkpoint(quantized=own_blocks), "none" if own_blocks else quant
+        own_blocks = parallel.launched_ranks() == 1 and (quant == "auto" or (quant == "int4" and group_size == GROUP))
+        return smollm2_checkpoint(quantized=own_blocks), "none" if own_blocks or quant == "auto" else quant
     return resolve_checkpoint(checkpoint), "none" if quant == "auto" else quant
 
 
@@ -162,6 +165,19 @@ def pick_dtype(name: str, checkpoint: Path, device: torch.device, quant: str, *,
     if device.type != "cpu" or dtype == torch.float32:
         return dtype
     return torch.float32 if rows > 1 and not NATIVE_CPU_MATMUL[torch.bfloat16] else torch.bfloat16
+
+
+def attention_line(device: torch.device, dtype: torch.dtype, config: ModelConfig, kv_dtype: str, pages: PageConfig | None, store_slots: int) -> str | None:
+    """One line for stderr on CUDA: which kernel a decode step's attention runs, and why when it is
+    not flash-attn (None on CPU, whose one path is SDPA)."""
+    if device.type != "cuda":
+        return None
+    cache_dtype, bits = kv_storage(kv_dtype, dtype)
+    block_size = None if pages is None else pages.block_size
+    reason = why_not_flash(device, dtype, None if bits else cache_dtype, config.head_dim, block_size, store_slots > 0)
+    if reason is None:
+        return "attention: flash-attn in decode steps" + (" through the block table" if pages else "") + ", SDPA in prefill"
+    return f"attention: SDPA{' over gathered blocks' if pages else ''}, not flash-attn: {reason}"
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

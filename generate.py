@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from cli import (
-    SAMPLING_FIELDS, AnswerText, sampling_with, COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant,
+    SAMPLING_FIELDS, AnswerText, attention_line, sampling_with, COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant,
     compile_pays, compression_config, page_config, pick_device, pick_dtype, ranks_running, start_ranks,
 )
 from compression.config import CompressionConfig
@@ -129,12 +129,12 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], chat: bool | None, 
     return [tokenizer.encode_chat(head + [{"role": "user", "content": p}]) for p in prompts]
 
 
-def summary(result: GenerationResult) -> str:
+def summary(result: GenerationResult, cuda_graph: bool) -> str:
     prefill_rate = result.prompt_tokens / result.prefill_s if result.prefill_s else 0.0
     return (
         f"prompt tokens: {result.prompt_tokens} | new tokens: {result.new_tokens} | "
         f"prefill: {prefill_rate:.1f} tok/s | decode: {result.decode_tok_s:.1f} tok/s | "
-        + (f"compile: {result.compile_s:.1f} s | " if result.compile_s else "")
+        + (f"{'graph capture' if cuda_graph else 'compile'}: {result.setup_s:.1f} s | " if result.setup_s else "")
         + f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
         + (f" ({result.kv_peak_bytes / 2**20:.1f} MiB held at most)" if result.kv_peak_bytes < result.kv_cache_bytes else "")
         + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
@@ -192,6 +192,9 @@ def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.de
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     pages = page_config(args, device, args.paged or args.max_batch is not None)
+    attention = attention_line(device, dtype, model.config, args.kv_dtype, pages, args.kv_store)
+    if attention is not None:
+        print(attention, file=sys.stderr)
     with torch.inference_mode():
         if prompts is None:
             session = Session(
@@ -233,7 +236,7 @@ def answer(
     else:
         # A batch is printed once it is complete, answers in prompt order, a blank line apart.
         print("\n\n".join(text.text for text in texts), flush=True)
-    print(summary(result), file=sys.stderr)
+    print(summary(result, cuda_graph), file=sys.stderr)
 
 
 def answer_continuously(

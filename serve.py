@@ -26,7 +26,7 @@ import torch
 import uvicorn
 
 from cli import (
-    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
+    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_quant_args, attention_line, checkpoint_and_quant, compression_config, page_config,
     pick_device, pick_dtype,
 )
 from engine.sampling import RowSampling, SamplingConfig
@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> None:
     compile = device.type == "cpu" if args.compile is None else args.compile
     listening = listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    attention = attention_line(device, dtype, model_config, args.kv_dtype, pages, args.kv_store)
+    if attention is not None:
+        log.info("%s", attention)
 
     def start_batch(on_tokens) -> ContinuousBatch:
         """On the model's thread: load the model, and run a short request through the step (which compiles it)."""

@@ -14,7 +14,6 @@ ops per token against a few hundred in the blocks. Prefill stays eager too: its 
 every prompt, and its products are large enough that compiling saves little.
 """
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -67,21 +66,20 @@ def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
 
 
 class CompiledStep:
-    """A decode step that runs compiled blocks. The first call is timed (it compiles, or loads
-    inductor's cached code) and checks torch.compile's guards against these very objects. When
-    one graph serves every group of blocks, later calls skip that check: nothing the guards read
-    changes between steps, only tensor values. With several graphs the guards choose between
-    them, and stay (torch 2.13 fails a step that skips them)."""
+    """A decode step that runs compiled blocks. The first call (which compiles, or loads inductor's
+    cached code) checks torch.compile's guards against these very objects. When one graph serves
+    every group of blocks, later calls skip that check: nothing the guards read changes between
+    steps, only tensor values. With several graphs the guards choose between them, and stay
+    (torch 2.13 fails a step that skips them)."""
 
     def __init__(self, advance: Callable[..., object], unguarded: bool):
         self.advance, self.unguarded = advance, unguarded
-        self.first_s: float | None = None
+        self.called = False
 
     def __call__(self, **kwargs) -> None:
-        if self.first_s is None:
-            start = time.perf_counter()
+        if not self.called:
             self.advance(**kwargs)
-            self.first_s = time.perf_counter() - start
+            self.called = True
             return
         with torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded):
             self.advance(**kwargs)

@@ -58,12 +58,12 @@ class GenerationResult:
     kv_cache_bytes: int  # allocated
     kv_peak_bytes: int  # held at the peak: all of it in the contiguous cache, the most blocks in use in the paged one
     compression: CompressionStats | None = None
-    compile_s: float = 0.0  # of decode_s, the first step's, which compiled the blocks (0 when eager)
+    setup_s: float = 0.0  # of decode_s, the first step's, which built the step: compiled the blocks or captured a CUDA graph (0 when eager)
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens per second over the steps after the compile, summed over rows."""
-        steps, seconds = (self.decode_steps - 1, self.decode_s - self.compile_s) if self.compile_s else (self.decode_steps, self.decode_s)
+        """Tokens per second over the steps after the first (which compiled or captured the step), summed over rows."""
+        steps, seconds = (self.decode_steps - 1, self.decode_s - self.setup_s) if self.setup_s else (self.decode_steps, self.decode_s)
         return steps * len(self.tokens) / seconds if steps > 0 and seconds > 0 else 0.0
 
     @property
@@ -134,7 +134,7 @@ class Session:
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
-        self._compiled: CompiledStep | None = None
+        self.setup_s = 0.0  # the first step's time, when it compiled the blocks or captured a CUDA graph
 
     def _new_manager(self, compression: CompressionConfig) -> CompressionManager | PerRowManagers:
         model = self.model
@@ -165,9 +165,18 @@ class Session:
         return Sampled(both[:batch], [bool(f) for f in both[batch:]])
 
     def step(self) -> Sampled:
-        """Feed the last sampled tokens, sample the next ones (returned), compact on schedule."""
-        if self._step is None:
-            self._step = self._build_step()
+        """Feed the last sampled tokens, sample the next ones (returned), compact on schedule. The
+        first step builds the step (a compile, a CUDA graph's warm-up and capture) and is timed whole."""
+        if self._step is not None:
+            return self._advance()
+        start = time.perf_counter()
+        self._step = self._build_step()
+        sampled = self._advance()  # its read of the tokens waits for the device
+        if self.compile or self.cuda_graph:
+            self.setup_s = time.perf_counter() - start
+        return sampled
+
+    def _advance(self) -> Sampled:
         grown = [n + 1 if running else 0 for n, running in zip(self.lengths, self.running())]
         self._reserve(grown)
         # The step attends over the slots that can be in use, a bound the host knows: eager any size
@@ -227,14 +236,8 @@ class Session:
         if self.cuda_graph:
             return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
         if self.compile:
-            self._compiled = CompiledStep(advance, unguarded=one_graph)
-            return self._compiled
+            return CompiledStep(advance, unguarded=one_graph)
         return advance
-
-    @property
-    def compile_s(self) -> float:
-        """The first compiled step's time: compiling, or loading the compiled code from inductor's cache (0 when eager)."""
-        return (self._compiled.first_s or 0.0) if self._compiled is not None else 0.0
 
     @property
     def stats(self) -> CompressionStats | None:
@@ -308,5 +311,5 @@ def generate(
     decode_s = time.perf_counter() - start
     cache = session.cache
     return GenerationResult(
-        decoded.tokens, sum(map(len, prompts)), prefill_s, decode_s, decoded.steps, cache.nbytes, cache.peak_bytes, session.stats, session.compile_s,
+        decoded.tokens, sum(map(len, prompts)), prefill_s, decode_s, decoded.steps, cache.nbytes, cache.peak_bytes, session.stats, session.setup_s,
     )

@@ -19,8 +19,8 @@ import torch
 from compression.compaction import BITS, compact_in_place, compaction_moves
 from engine.kv_store import KVStore
 from errors import UserError
+from models import flash_attention
 from models.config import ModelConfig
-from models.flash_attention import FLASH_PAGE_MULTIPLE, flash_attn_with_kvcache
 from models.kv_layers import PagedLayer
 from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
 from models.pages import Pages, gather_pages, page_address, read_pages
@@ -30,7 +30,7 @@ SCRATCH_BLOCK = 0
 
 def default_block_size(device: torch.device) -> int:
     """16 slots; on CUDA with flash-attn, the page size it reads through a block table."""
-    return FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash_attn_with_kvcache is not None else 16
+    return flash_attention.FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash_attention.kernel is not None else 16
 
 
 @dataclass(frozen=True)

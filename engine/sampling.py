@@ -7,6 +7,10 @@ filters run at all (none of them for a greedy batch); the tensors hold each row'
 row that asks for no filter passes through it unchanged. Everything stays on the device and in
 fixed shapes (no .item(), no multinomial), so the step never waits for the host.
 
+A CUDA graph replays the work recorded at its capture, host branches included, so under one the
+settings are `static`: every filter runs for every row, top-k over the whole vocabulary, and the
+tensors alone decide, so a row's settings may change between replays.
+
 Random draws come from torch's global generator (torch.manual_seed makes a run reproducible), or,
 for rows given a seed, from a hash of (seed, position, token): such a row draws the same numbers
 whichever batch it runs in and whatever the other rows do, as a served request with a seed must.
@@ -52,6 +56,7 @@ class RowSampling:
     def __init__(self, configs: list[SamplingConfig], device: torch.device, seeded: bool = False):
         batch = len(configs)
         self.configs = list(configs)
+        self.static = False  # every filter runs, whatever the host copy says (a CUDA graph's step)
         self.temperature = torch.zeros(batch, device=device)  # [B]
         self.top_k = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
         self.top_p = torch.ones(batch, device=device)  # [B]
@@ -80,6 +85,7 @@ class RowSampling:
         """These rows' settings: views of the same tensors."""
         part = object.__new__(RowSampling)
         part.configs = self.configs[rows]
+        part.static = self.static
         for name in ("temperature", "top_k", "top_p", "min_p", "penalty"):
             setattr(part, name, getattr(self, name)[rows])
         part.seeds = None if self.seeds is None else self.seeds[rows]
@@ -87,7 +93,22 @@ class RowSampling:
 
     @property
     def penalises_repetition(self) -> bool:
-        return any(c.penalises_repetition for c in self.configs)
+        """Whether the step applies the penalty (and needs the seen tokens): static settings always do."""
+        return self.static or any(c.penalises_repetition for c in self.configs)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.static and all(c.temperature == 0 for c in self.configs)
+
+    def top_k_bound(self, vocab_size: int) -> int:
+        """The k that bounds every row's top-k (0: no row filters)."""
+        return vocab_size if self.static else min(max(c.top_k for c in self.configs), vocab_size)
+
+    def filters_top_p(self) -> bool:
+        return self.static or any(c.top_p < 1 for c in self.configs)
+
+    def filters_min_p(self) -> bool:
+        return self.static or any(c.min_p for c in self.configs)
 
 
 def seen_tokens(prompts: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -110,16 +131,15 @@ def filter_logits(logits: torch.Tensor, sampling: RowSampling | SamplingConfig) 
     """Temperature, then top-k, top-p and min-p, each row with its own values; removed tokens get
     -inf. The best token is never removed. A greedy row (temperature 0) is left at temperature 1."""
     rows = as_rows(sampling, logits)
-    configs = rows.configs
     temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
     logits = logits.float() / temperature[:, None]  # [B, V]
-    if any(c.top_k for c in configs):
-        largest = min(max(c.top_k for c in configs), logits.shape[-1])
+    largest = rows.top_k_bound(logits.shape[-1])
+    if largest:
         best = torch.topk(logits, largest, dim=-1).values  # [B, largest]
         k = rows.top_k.clamp(1, largest)  # a row without top-k reads some value, then ignores it
         kth_best = best.gather(-1, (k - 1)[:, None])
         logits = logits.masked_fill((logits < kth_best) & (rows.top_k > 0)[:, None], float("-inf"))
-    if any(c.top_p < 1 for c in configs):
+    if rows.filters_top_p():
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
@@ -127,7 +147,7 @@ def filter_logits(logits: torch.Tensor, sampling: RowSampling | SamplingConfig) 
         drop_sorted = (mass_before >= rows.top_p[:, None]) & (rows.top_p < 1)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if any(c.min_p for c in configs):
+    if rows.filters_min_p():
         probs = logits.softmax(dim=-1)
         too_unlikely = probs < rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(too_unlikely, float("-inf"))
@@ -141,11 +161,10 @@ def sample(
     repetition penalty applies to (required when a row has one); `positions` [B], the positions
     the new tokens will take, count the hashed draws of seeded rows (required with seeds)."""
     rows = as_rows(sampling, logits)
-    configs = rows.configs
     if rows.penalises_repetition:
         logits = penalise_repetition(logits.float(), seen, rows.penalty[:, None])
     greedy = logits.argmax(dim=-1)
-    if all(c.temperature == 0 for c in configs):
+    if rows.greedy:
         return greedy
     probs = filter_logits(logits, rows).softmax(dim=-1)
     uniform = torch.rand_like(probs) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])

@@ -40,6 +40,9 @@ class ContinuousSession(Session):
         super().__init__(model, batch, n_slots, pages=pages, **options)
         if self.seen is None:  # a request may join with a repetition penalty of its own (admit)
             self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
+        # A request may join with settings of its own, and a CUDA graph replays the branches its
+        # capture took: under one, the settings are read on the device alone.
+        self.sampling.static = self.cuda_graph
         self.finished.fill_(True)
         self.joined = [False] * batch  # host: the rows holding a prompt
         self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from models.flash_attention import flash_decode, flash_decode_supported
+from models.flash_attention import flash_decode, why_not_flash
 from models.kv_quant import KV, QuantizedKV, kv_map, kv_parts, kv_read, kv_store
 from models.pages import Pages, gather_pages, page_address
 from models.recall import StoreLayer, recall
@@ -70,7 +70,7 @@ def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Ten
     store attends over the pages it recalls too (models/recall.py)."""
     paged = isinstance(layer, PagedLayer)
     decode = q.shape[2] == 1
-    if decode and layer.store is None and not isinstance(layer.k, QuantizedKV) and flash_decode_supported(layer.k, paged=paged):
+    if decode and flash_fits(layer, q):
         return flash_decode(q, layer.k, layer.v, slots[:, 0] + 1, layer.pages.table if paged else None)
     k, v = layer.k, layer.v
     if paged:
@@ -83,6 +83,13 @@ def attend(layer: LayerKV, q: torch.Tensor, slots: torch.Tensor, mask: torch.Ten
         resident = torch.ones(B, 1, 1, k.shape[2] - recalled.shape[3], dtype=torch.bool, device=q.device) if mask is None else mask
         mask = torch.cat([resident.expand(B, H_kv, 1, -1), recalled], dim=3)  # [B, H_kv, 1, S + R]
     return sdpa(q, k, v, mask)
+
+
+def flash_fits(layer: LayerKV, q: torch.Tensor) -> bool:
+    """Whether flash-attn can read this layer for the queries [B, H, 1, D] (models/flash_attention.py)."""
+    cache_dtype = None if isinstance(layer.k, QuantizedKV) else layer.k.dtype
+    block_size = kv_parts(layer.k)[0].shape[2] if isinstance(layer, PagedLayer) else None
+    return why_not_flash(q.device, q.dtype, cache_dtype, q.shape[-1], block_size, layer.store is not None) is None
 
 
 def slots_read(layer: LayerKV) -> list[tuple[torch.Tensor, int]]:

@@ -2,7 +2,8 @@
 
 A decode step at batch 1 reads every weight once per token, so its speed is the bytes it reads.
 These layers keep the weights in 8 or 4 bits and multiply them with 16/32-bit activations in one
-kernel, never materialising the float weight:
+kernel, never materialising the float weight (but for a prefill's many rows of int8 on CUDA,
+whose product goes to cuBLAS on a float copy):
 
 - int8: w[n, k] = q[n, k] * scale[n], q in -127..127 (symmetric).
 - int4: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], q in 0..15, g = k // group_size.
@@ -24,8 +25,13 @@ from errors import UserError
 QUANT_MODES = ("none", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 INT4_ROWS_MULTIPLE = 16  # torch's int4 packing takes output sizes that are multiples of 16
-CUDA_INT4_INNER_K_TILES = 8  # gpt-fast's choice for torch's CUDA int4 kernel
+INT4_K_TILE = 16  # torch's CUDA int4 layout cuts K into tiles of 16 inputs...
+CUDA_INT4_INNER_K_TILES = (8, 4, 2)  # ...packed 8, 4 or 2 tiles together; K must be a multiple of the packing
 CPU_INT4_INNER_K_TILES = 2  # the CPU kernel ignores the tiling; any valid value packs the same
+# torch's CUDA int8 product is a plain kernel on the CUDA cores: for the few rows of a decode step it
+# reads the int8 weight once; a prefill's many rows go to cuBLAS on a float copy, whose cost they
+# share. Where the two cross is unmeasured (docs/gpu.md).
+CUDA_INT8_KERNEL_ROWS = 16
 
 
 @dataclass
@@ -93,6 +99,22 @@ def check_int4_fits(shapes: dict[str, tuple[int, int]], group_size: int) -> None
             raise UserError(f"--quant int4: {name} has {N} outputs, torch's int4 kernel takes multiples of {INT4_ROWS_MULTIPLE}; use --quant int8")
 
 
+def cuda_int4_inner_k_tiles(in_features: int) -> int:
+    """How many 16-input tiles torch's CUDA int4 packing holds together for a weight of `in_features`
+    inputs: the most (8, as gpt-fast packs) that divides them. torch requires K to be a multiple of
+    16 * inner k-tiles (SmolLM2's 576 takes 4); any K that is a multiple of a group size (32) fits 2."""
+    for tiles in CUDA_INT4_INNER_K_TILES:
+        if in_features % (tiles * INT4_K_TILE) == 0:
+            return tiles
+    raise UserError(f"an int4 weight with {in_features} inputs cannot be packed for CUDA (a multiple of 32 is needed); use --quant int8")
+
+
+def check_int4_activations(device: torch.device, dtype: torch.dtype) -> None:
+    """torch's CUDA int4 product takes bfloat16 activations only (its CPU one takes any float)."""
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise UserError(f"4-bit weights run on CUDA with bfloat16 activations only (torch's int4 kernel), not {str(dtype).removeprefix('torch.')}; use --dtype bfloat16 (or auto)")
+
+
 class Int8Linear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -103,10 +125,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K]
         rows = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
-        else:  # CUDA: the int8 -> float conversion fuses into the product (as gpt-fast does)
+        if x.device.type != "cpu" and rows.shape[0] > CUDA_INT8_KERNEL_ROWS:
             out = F.linear(rows, self.weight.to(x.dtype)) * self.scales
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -115,6 +137,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        check_int4_activations(device, dtype)
         self.out_features, self.in_features = weight.values.shape
         self.group_size = weight.group_size
         values = weight.values.to(device, torch.int32) + 8  # [N, K] in 0..15, the kernels' range
@@ -122,7 +145,7 @@ class Int4Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, CPU_INT4_INNER_K_TILES)
         else:  # the CUDA packing takes two values per byte, the first in the high nibble
             pairs = (values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8)  # [N, K/2]
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INT4_INNER_K_TILES)
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, cuda_int4_inner_k_tiles(self.in_features))
         self.register_buffer("weight", packed)
         scales_and_zeros = torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1)  # [K/g, N, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(device, dtype).contiguous())

@@ -59,7 +59,7 @@ def test_flash_decode_equals_sdpa(tiny_checkpoint, monkeypatch):
         return torch.stack(steps).float()
 
     with_flash = decode_logits()
-    monkeypatch.setattr(models.flash_attention, "flash_attn_with_kvcache", None)
+    monkeypatch.setattr(models.flash_attention, "kernel", None)
     with_sdpa = decode_logits()
     assert (with_flash - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
 
@@ -87,8 +87,10 @@ def test_graph_replay_of_a_quantized_model_equals_eager(mode, tiny_checkpoint):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn (the cuda extra)")
-def test_flash_decode_through_the_block_table_equals_sdpa_on_the_contiguous_cache(tiny_checkpoint):
-    """Pages of 256 slots, read by flash-attn through the block table; fed the same tokens."""
+def test_flash_decode_through_the_block_table_equals_sdpa_on_the_contiguous_cache(tiny_checkpoint, monkeypatch):
+    """Pages of 256 slots, read by flash-attn through the block table; fed the same tokens. The
+    reference runs without flash-attn: a bfloat16 contiguous cache on CUDA would take it too."""
+    import models.flash_attention
     from engine.decode import decode_step, prefill
     from engine.kv_cache import KVCache
     from engine.paged_cache import PageConfig, PagedKVCache
@@ -107,6 +109,7 @@ def test_flash_decode_through_the_block_table_equals_sdpa_on_the_contiguous_cach
     for row, prompt in enumerate(prompts):
         paged.reserve(row, len(prompt) + len(forced))
     with_pages = decode_logits(paged)
+    monkeypatch.setattr(models.flash_attention, "kernel", None)
     with_sdpa = decode_logits(KVCache.allocate(model.config, 3, 512, torch.bfloat16, CUDA))
     assert (with_pages - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
 
@@ -122,6 +125,24 @@ def test_graph_replay_of_continuous_batching_equals_eager(policy, tiny_checkpoin
     eager = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4))
     graphed = serve(model, requests, 2, eos_ids=frozenset(), compression=config, pages=PageConfig(block_size=4), cuda_graph=True)
     assert graphed.tokens == eager.tokens
+
+
+def test_requests_with_their_own_sampling_under_a_graph_equal_eager(tiny_checkpoint):
+    """The graph is captured while the first rows are greedy; later requests join with
+    temperature, top-k/p, min-p and a penalty, each seeded: they sample as in the eager run."""
+    from engine.paged_cache import PageConfig
+    from engine.sampling import RowSampling, SamplingConfig
+    from engine.scheduler import Request, serve
+
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CUDA)
+    settings = [None, None, SamplingConfig(temperature=0.9, top_k=20), SamplingConfig(temperature=1.1, top_p=0.8, repetition_penalty=1.3),
+                SamplingConfig(temperature=0.7, min_p=0.1)]
+    requests = [Request(p, 12, s, seed=i) for i, (p, s) in enumerate(zip(prompts_of([5, 9, 12, 3, 7], seed=7), settings))]
+    runs = [
+        serve(model, requests, 2, eos_ids=frozenset(), sampling=RowSampling([SamplingConfig()] * 2, CUDA, seeded=True), pages=PageConfig(block_size=4), cuda_graph=graph)
+        for graph in (False, True)
+    ]
+    assert runs[1].tokens == runs[0].tokens
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])

@@ -17,7 +17,7 @@ from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
 from models.parallel import TensorParallel
-from models.quantized import Int8Embedding, QuantizedWeight, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
+from models.quantized import Int8Embedding, QuantizedWeight, check_int4_activations, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
 from weights.safetensors_files import FETCH_AGAIN, INDEX, open_safetensors, read_weight_map, safetensors_files
 from weights.safetensors_writer import Entry
@@ -300,8 +300,12 @@ def load_model(
     config = read_config(checkpoint)
     if quant != "none" and stored_quantized(checkpoint):
         raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
-    if parallel is not None and (quant != "none" or stored_quantized(checkpoint)):
-        raise UserError("tensor parallelism runs 16/32-bit weights only; drop --quant, or run a quantized checkpoint without torchrun")
+    if parallel is not None and quant != "none":
+        raise UserError(f"tensor parallelism runs 16/32-bit weights only; drop --quant {quant}, or run without torchrun")
+    if parallel is not None and stored_quantized(checkpoint):
+        raise UserError(f"{checkpoint} is stored quantized and tensor parallelism runs 16/32-bit weights only; run it without torchrun, or give a 16/32-bit checkpoint")
+    if quant == "int4":
+        check_int4_activations(device, dtype)  # before anything is read
     # Built first, so that a rank's part that cannot be cut fails on every rank at once, before the reading.
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
         model = Transformer(config, parallel)
