@@ -33,6 +33,12 @@ class CompressionStats:
     refresh_s: list[float] = field(default_factory=list)  # BeaconKV's FPS refreshes
 
 
+def step_queries(n_layers: int, batch: int, n_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """[L, B, H, 1, D]: where each layer of a decode step writes its queries before RoPE (the
+    model's views tap it), the same buffer every step. float32 holds any dtype's queries exactly."""
+    return torch.zeros(n_layers, batch, n_heads, 1, head_dim, dtype=torch.float32, device=device)
+
+
 class CompressionManager:
     def __init__(
         self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
@@ -46,6 +52,7 @@ class CompressionManager:
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
         self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.dtype, cache.device)
+        self.step_queries = step_queries(L, B, n_heads, D, cache.device)
         self.positions = SlotPositions(cache, config.budget)
         # H2O: [L, B, H_kv, S] the attention each slot has received so far, summed over the steps
         # and the heads of its group; compaction moves it with the slot's K and V.
@@ -241,6 +248,8 @@ class PerRowManagers:
         self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
     ):
         self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, kv_heads) for b in range(cache.length.shape[0])]
+        L, B, _, _, D = cache.slot_shape()
+        self.step_queries = step_queries(L, B, n_heads, D, cache.device)
 
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""

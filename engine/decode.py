@@ -15,7 +15,7 @@ from compression.manager import CompressionManager, PerRowManagers
 from engine.kv_cache import KVCache
 from engine.paged_cache import PagedKVCache
 from engine.sampling import RowSampling, SamplingConfig, sample
-from models.kv_layers import CacheRead
+from models.kv_layers import CacheRead, tapped
 from models.transformer import BlockGroups, Transformer
 
 
@@ -47,17 +47,17 @@ def prefill(
         real = slots[None, None, :] < (cache.length + lengths)[:, None, None]  # [B, 1, S] not padding
         mask = (causal & real).unsqueeze(1)  # [B, 1, T, S]
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
-    view = CacheRead(cache.layers(max(held) + T), write_slots, mask)
+    layers = cache.layers(max(held) + T)
     fresh = max(held) == 0
     tails = []  # a chat turn: each layer's last queries [B, H, <=n_recent, D], for the recent ring
 
-    def keep_tail(layer: int, queries: torch.Tensor) -> None:
+    def keep_tail(queries: torch.Tensor) -> None:
         tails.append(queries[:, :, -compression.config.n_recent :].clone())  # a copy: a slice would pin the layer's q/k/v
 
-    on_queries = None  # the KV policy takes each layer's queries as it finishes: no layer's outlive it
-    if compression is not None:
-        on_queries = partial(compression.seed_layer, prompt_lengths=lengths) if fresh else keep_tail
-    logits = model(tokens, positions, view, logit_index=None if all_logits else lengths - 1, on_queries=on_queries)
+    if compression is not None:  # the KV policy takes each layer's queries as it finishes: no layer's outlive it
+        taps = [partial(compression.seed_layer, layer, prompt_lengths=lengths) for layer in range(len(layers))] if fresh else [keep_tail] * len(layers)
+        layers = tapped(layers, taps)
+    logits = model(tokens, positions, CacheRead(layers, write_slots, mask), logit_index=None if all_logits else lengths - 1)
     if tails:
         compression.append(torch.stack(tails), [len(p) for p in prompts])
     if fresh:
@@ -82,7 +82,8 @@ def decode_step(
     groups: BlockGroups | None = None,  # the compiled blocks (engine/compile.py); None: eager
 ) -> torch.Tensor:
     """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
-    The compression manager, if any, records this step's queries into its static buffer.
+    Each layer writes its queries into the compression manager's static buffer, if there is one,
+    which then records them.
 
     n_read: attend over the first n_read slots only, a bound the host knows (every row's length
     + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
@@ -90,12 +91,12 @@ def decode_step(
     slots = cache.length[:, None]  # [B, 1]
     slot_ids = cache.slot_ids if n_read is None else cache.slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
-    queries = []  # each layer's [B, H, 1, D]: one token's are small, so the manager takes them all at once
-    view = CacheRead(cache.layers(n_read), slots, mask)
-    on_queries = None if compression is None else lambda layer, q: queries.append(q)
-    logits = model(tokens[:, None], cache.position[:, None], view, on_queries=on_queries, groups=groups)
+    layers = cache.layers(n_read)
     if compression is not None:
-        compression.record(torch.stack(queries), cache.position)
+        layers = tapped(layers, list(compression.step_queries))  # [B, H, 1, D] each
+    logits = model(tokens[:, None], cache.position[:, None], CacheRead(layers, slots, mask), groups=groups)
+    if compression is not None:
+        compression.record(compression.step_queries, cache.position)
     logits = logits[:, 0]  # [B, V]
     if seen is not None:
         seen.scatter_(1, tokens[:, None], True)

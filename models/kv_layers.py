@@ -1,6 +1,6 @@
 """What one forward pass sees of the KV cache: each layer's keys and values, where the new tokens
-are written, and which slots each query reads. The model calls two verbs on a layer, `write` and
-`attend`; which layout holds the slots (contiguous rows, or a pool of blocks through a block
+are written, and which slots each query reads. The model calls three verbs on a layer, `write`,
+`attend` and `hand_over_queries` (to a KV policy, when the view has a tap); which layout holds the slots (contiguous rows, or a pool of blocks through a block
 table, models/pages.py) is decided here and nowhere else in the model.
 
 The engine's caches make these views (engine/kv_cache.py, engine/paged_cache.py): a layer's
@@ -9,6 +9,7 @@ quantized cache's buffers (models/kv_quant.py) are written as codes and read bac
 in the queries' dtype, just before attention.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -20,12 +21,19 @@ from models.pages import Pages, gather_pages, page_address
 from models.recall import StoreLayer, recall
 
 
+# Where a layer hands its queries before RoPE [B, H, T, D] for a KV policy to score with: a decode
+# step's static buffer [B, H, 1, D], written in place (inside a compiled step or a CUDA graph), or in
+# a prefill a function that takes them as the layer finishes, so that none outlives its layer.
+QueryTap = torch.Tensor | Callable[[torch.Tensor], None]
+
+
 class RowsLayer(NamedTuple):
     """One layer of the contiguous cache: row b's slot s is k[b, :, s]."""
 
     k: KV  # [B, H_kv, S, D] keys after RoPE
     v: KV  # [B, H_kv, S, D]
     store: StoreLayer | None = None  # the slots demoted from this layer, which a decode step recalls from
+    queries: QueryTap | None = None
 
 
 class PagedLayer(NamedTuple):
@@ -35,6 +43,7 @@ class PagedLayer(NamedTuple):
     v: KV  # [n_blocks, H_kv, block, D]
     pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
     store: StoreLayer | None = None
+    queries: QueryTap | None = None
 
 
 LayerKV = RowsLayer | PagedLayer
@@ -46,6 +55,19 @@ class CacheRead(NamedTuple):
     layers: list[LayerKV]  # one per model layer
     write_slots: torch.Tensor  # [B, T] the cache slot of each new token
     mask: torch.Tensor | None  # [B, 1, T, S] True where a query may read a slot; None: causal, S == T, no padding
+
+
+def tapped(layers: list[LayerKV], taps: list[QueryTap]) -> list[LayerKV]:
+    """The layers' views, each handing its queries to its tap."""
+    return [layer._replace(queries=tap) for layer, tap in zip(layers, taps)]
+
+
+def hand_over_queries(layer: LayerKV, q: torch.Tensor) -> None:
+    """The layer's queries before RoPE [B, H, T, D] to its tap, if it has one."""
+    if isinstance(layer.queries, torch.Tensor):
+        layer.queries.copy_(q)
+    elif layer.queries is not None:
+        layer.queries(q)
 
 
 def write(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
-from models.kv_layers import CacheRead, LayerKV, attend, write
+from models.kv_layers import CacheRead, LayerKV, attend, hand_over_queries, write
 from models.linear import Linear
 from models.parallel import TensorParallel, gather_vocab, reduce_sum, shard_config
 from models.rope import apply_rope, rope_cos_sin, rope_tables
@@ -60,9 +60,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output [B, T, C] for x [B, T, C], and the queries before RoPE [B, H, T, D]
-        (what a KV policy scores with)."""
+    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> torch.Tensor:
+        """The attention output [B, T, C] for x [B, T, C]. The queries before RoPE go to the cache
+        view's tap, if it has one (what a KV policy scores with)."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split([H * D, H_kv * D, H_kv * D], dim=-1)
@@ -70,14 +70,15 @@ class Attention(nn.Module):
         k = k.view(B, T, H_kv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_before_rope = q.transpose(1, 2)  # [B, H, T, D]
-        q = apply_rope(q_before_rope, inputs.cos, inputs.sin)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        hand_over_queries(kv, q)
+        q = apply_rope(q, inputs.cos, inputs.sin)
         k = apply_rope(k.transpose(1, 2), inputs.cos, inputs.sin)  # [B, H_kv, T, D]
         v = v.view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
         # Keys are cached after RoPE: a key keeps its rotation wherever its slot moves later.
         write(kv, k, v, inputs.write_slots)
         out = attend(kv, q, inputs.write_slots, inputs.mask)  # [B, H, T, D]
-        return reduce_sum(self.wo(out.transpose(1, 2).reshape(B, T, H * D)), self.parallel), q_before_rope
+        return reduce_sum(self.wo(out.transpose(1, 2).reshape(B, T, H * D)), self.parallel)
 
 
 class MLP(nn.Module):
@@ -100,30 +101,23 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, parallel)
 
-    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's output [B, T, C] and its queries before RoPE [B, H, T, D]."""
-        attended, queries = self.attn(self.attn_norm(x), inputs, kv)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), queries
+    def forward(self, x: torch.Tensor, inputs: LayerInputs, kv: LayerKV) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), inputs, kv)
+        return x + self.mlp(self.mlp_norm(x))
 
 
-def run_blocks(
-    blocks: Sequence[Block], x: torch.Tensor, inputs: LayerInputs, kvs: Sequence[LayerKV]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Consecutive blocks, each on its cache layer: their output [B, T, C] and each one's queries
-    before RoPE [B, H, T, D]."""
-    queries = []
+def run_blocks(blocks: Sequence[Block], x: torch.Tensor, inputs: LayerInputs, kvs: Sequence[LayerKV]) -> torch.Tensor:
+    """Consecutive blocks, each on its cache layer: their output [B, T, C]."""
     for block, kv in zip(blocks, kvs):
-        x, q = block(x, inputs, kv)
-        queries.append(q)
-    return x, queries
+        x = block(x, inputs, kv)
+    return x
 
 
 class BlockGroups(NamedTuple):
     """How a forward pass runs its blocks: `size` consecutive ones per call of `run`, which takes
     and returns what run_blocks does (the compiled decode step's, engine/compile.py)."""
 
-    run: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
+    run: Callable[..., torch.Tensor]
     size: int
 
 
@@ -166,13 +160,9 @@ class Transformer(nn.Module):
         cache: CacheRead,
         *,
         logit_index: torch.Tensor | None = None,  # [B]: the one position per row that needs logits
-        on_queries: Callable[[int, torch.Tensor], None] | None = None,
         groups: BlockGroups | None = None,  # default: one block at a time, eager
     ) -> torch.Tensor:
-        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None.
-        on_queries(layer, queries before RoPE [B, H, T, D]) is called as each group of layers
-        finishes, for a KV policy: it keeps what it needs, so that in a prefill (one layer per
-        group) no layer's queries (a view that pins its whole q/k/v output) outlive that layer."""
+        """Logits [B, V] at logit_index, or [B, T, V] for every position when it is None."""
         x = self.embed_tokens(tokens)  # [B, T, C]
         # Cast once here, not in each layer: every cast is an op, and a decode step is hundreds of small ops.
         cos, sin = rope_cos_sin(self.config, self.rope_cos, self.rope_sin, positions)  # [B, T, D]
@@ -180,11 +170,7 @@ class Transformer(nn.Module):
         run, size = BlockGroups(run_blocks, 1) if groups is None else groups
         blocks = list(self.layers)
         for first in range(0, len(blocks), size):
-            end = first + size
-            x, queries = run(blocks[first:end], x, inputs, cache.layers[first:end])
-            if on_queries is not None:
-                for layer, q in enumerate(queries, start=first):
-                    on_queries(layer, q)
+            x = run(blocks[first : first + size], x, inputs, cache.layers[first : first + size])
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # [B, C]
         return gather_vocab(self.lm_head(self.norm(x)), self.parallel)

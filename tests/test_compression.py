@@ -18,7 +18,7 @@ from engine.generation import Session, generate
 from engine.kv_cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
-from models.kv_layers import CacheRead
+from models.kv_layers import CacheRead, tapped
 from models.rope import apply_rope
 from weights.loader import load_model
 
@@ -421,7 +421,8 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    model(torch.tensor([sequence]), positions, CacheRead(cache.layers(None), positions, None), on_queries=lambda _, q: collected.append(q))
+    layers = tapped(cache.layers(None), [collected.append] * model.config.n_layers)
+    model(torch.tensor([sequence]), positions, CacheRead(layers, positions, None))
     queries = torch.stack(collected)  # [L, 1, H, T, D]
     L, _, H, _, D = queries.shape
     H_kv = cache.k.shape[2]
@@ -459,7 +460,8 @@ def queries_of(model, sequence: list[int]) -> torch.Tensor:
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    model(torch.tensor([sequence]), positions, CacheRead(cache.layers(None), positions, None), on_queries=lambda _, q: collected.append(q))
+    layers = tapped(cache.layers(None), [collected.append] * model.config.n_layers)
+    model(torch.tensor([sequence]), positions, CacheRead(layers, positions, None))
     return torch.stack(collected)
 
 
@@ -513,7 +515,8 @@ def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_chec
     if turn == "chat":
         session.prefill([[5, 9, 13, 17, 21]])
     first_queries, alive_after_the_layers = [], []
-    model.layers[0].attn.register_forward_hook(lambda m, i, out: first_queries.append(weakref.ref(out[1])))
+    # The queries are a view of the first layer's q/k/v output: while they live, so does it.
+    model.layers[0].attn.wqkv.register_forward_hook(lambda m, i, out: first_queries.append(weakref.ref(out)))
     model.norm.register_forward_hook(lambda m, i, out: alive_after_the_layers.append(first_queries[0]() is not None))
     session.prefill([list(range(40, 70))])
     assert alive_after_the_layers == [False]
