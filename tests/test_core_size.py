@@ -1,9 +1,9 @@
 """How much of the project a run of generate.py loads: the project's files among the modules
 loaded at the run's exit, and their lines (what a newcomer must read to follow that run).
 
-docs/design.md's goal for the plain run (a safetensors checkpoint, one prompt, no options) and the
-default run (the bundled model) is at most 2,500 lines. The ceilings below are today's counts:
-a change that loads more fails here; one that loads less lowers them.
+The goal for the plain run (a safetensors checkpoint, one prompt, no options) and the default run
+(the bundled model) is at most 2,500 lines (docs/design.md). The ceilings below are today's
+counts: a change that loads more fails here; one that loads less lowers them.
 """
 
 import json
