@@ -44,6 +44,7 @@ import importlib.util
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -66,6 +67,7 @@ from cli import (
 from engine.paged_cache import PageConfig
 from errors import UserError, run_command
 from models.config import ModelConfig
+from models.parallel import kv_head_place
 from weights.loader import read_config, stored_quantized
 from weights.tokenizer import Tokenizer
 
@@ -357,7 +359,8 @@ def run_ranks(args: argparse.Namespace) -> None:
         dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=batch)
         compile_step = device.type == "cpu" if args.compile is None else args.compile
         prompts = random_prompts(config.vocab_size, batch, length)
-        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression_config(args), quant, args.group_size, parallel=tp,
+        compression = replace(compression_config(args), kv_heads=kv_head_place(config, tp))
+        w = Workload(checkpoint, dtype, device, prompts, new_tokens, trials, compile_step, False, compression, quant, args.group_size, parallel=tp,
                      kv_dtype=args.kv_dtype)
         ranks = measure_ranks(w)
         if ranks is not None:

@@ -20,6 +20,7 @@ COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reus
 import argparse
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,9 +36,9 @@ from engine.paged_cache import PageConfig
 from engine.sampling import SamplingConfig
 from engine.scheduler import BatchRun, Request, serve
 from errors import UserError, run_command
-from models.parallel import TensorParallel, from_rank0, launched_ranks
+from models.parallel import TensorParallel, from_rank0, kv_head_place, launched_ranks
 from weights.generation_config import sampling_defaults
-from weights.loader import load_model
+from weights.loader import load_model, read_config
 from weights.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,6 +180,7 @@ def run(args: argparse.Namespace) -> None:
 def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.device, compression: CompressionConfig) -> None:
     """The run on this process: the whole model, or under torchrun this rank's part of it (only rank 0 prints)."""
     checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    compression = replace(compression, kv_heads=kv_head_place(read_config(checkpoint), tp))
     sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
     prompts = None

@@ -27,6 +27,9 @@ class CompressionConfig:
     prefix_budget: int = 0  # a long prompt keeps this many of the tokens between its first PREFIX_SINKS and last prefix_tail (0: all)
     prefix_tail: int = 64  # with prefix_budget: the prompt's last tokens (the question), kept whole
     seed: int = 0  # for the random policy
+    # Under tensor parallelism, this rank's first KV head and the model's count (models.parallel.kv_head_place):
+    # the random policy draws for all of them, as one process would, and takes its own.
+    kv_heads: tuple[int, int] | None = None
     store_slots: int = 0  # demote evicted slots into a store of this many (0: eviction is final)
     store_dtype: str = "int4"  # how the store holds keys and values (models/kv_quant.py's names)
     recall_pages: int = 4  # store pages each KV head of each decode step attends besides the cache

@@ -40,14 +40,10 @@ def step_queries(n_layers: int, batch: int, n_heads: int, head_dim: int, device:
 
 
 class CompressionManager:
-    def __init__(
-        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
-    ):
-        """n_heads: the query heads whose queries the model hands over; kv_heads: under tensor
-        parallelism, the model's KV head the cache's first one is, and the model's count."""
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        """n_heads: the query heads whose queries the model hands over."""
         L, B, H_kv, _, D = cache.slot_shape()
         self.config = config
-        self.kv_heads = kv_heads
         self.cache = cache
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
@@ -208,7 +204,7 @@ class CompressionManager:
     def _best(self, count: int, **layer_inputs: torch.Tensor | None) -> torch.Tensor:
         """One layer's `count` best candidates by the policy's scores, as ascending offsets
         [B, H_kv, count]; `layer_inputs` are the ScoringInputs of that layer, the rest is the manager's."""
-        inputs = ScoringInputs(**layer_inputs, config=self.config, generator=self.generator, kv_heads=self.kv_heads)
+        inputs = ScoringInputs(**layer_inputs, config=self.config, generator=self.generator, kv_heads=self.config.kv_heads)
         return SCORERS[self.config.policy](inputs).topk(count, dim=-1).indices.sort(dim=-1).values
 
     def snapshot(self) -> dict[str, torch.Tensor | int | None]:
@@ -244,10 +240,8 @@ class PerRowManagers:
     Rows join and leave at different steps, so each keeps its own schedule (one manager's is
     shared by all of its rows); a row's manager starts over when a new prompt takes the row."""
 
-    def __init__(
-        self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, kv_heads: tuple[int, int] | None = None
-    ):
-        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, kv_heads) for b in range(cache.length.shape[0])]
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin) for b in range(cache.length.shape[0])]
         L, B, _, _, D = cache.slot_shape()
         self.step_queries = step_queries(L, B, n_heads, D, cache.device)
 

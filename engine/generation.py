@@ -138,7 +138,7 @@ class Session:
 
     def _new_manager(self, compression: CompressionConfig) -> CompressionManager | PerRowManagers:
         model = self.model
-        return CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
+        return CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
 
     def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""

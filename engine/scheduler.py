@@ -49,7 +49,7 @@ class ContinuousSession(Session):
 
     def _new_manager(self, compression: CompressionConfig) -> PerRowManagers:
         model = self.model
-        return PerRowManagers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin, model.kv_heads)
+        return PerRowManagers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
 
     def running(self) -> list[bool]:
         return list(self.joined)

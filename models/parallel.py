@@ -99,6 +99,11 @@ def stop(parallel: TensorParallel, finished: bool) -> None:
         dist.destroy_process_group()
 
 
+def kv_head_place(config: ModelConfig, parallel: TensorParallel | None) -> tuple[int, int] | None:
+    """This rank's first KV head among the whole model's `config`, and their count (None: one process holds them all)."""
+    return None if parallel is None else (parallel.block(config.n_kv_heads)[0], config.n_kv_heads)
+
+
 def from_rank0(value: object, parallel: TensorParallel | None) -> object:
     """Rank 0's value on every rank (what only rank 0 can read, such as stdin)."""
     if parallel is None:

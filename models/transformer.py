@@ -127,9 +127,7 @@ class Transformer(nn.Module):
         is the part's (models.parallel.shard_config), the vocabulary whole."""
         super().__init__()
         self.parallel = parallel
-        self.kv_heads = None  # [first, of the model's count]: this rank's KV heads, for the KV policies' random draws
         if parallel is not None:
-            self.kv_heads = (parallel.block(config.n_kv_heads)[0], config.n_kv_heads)
             config = shard_config(config, parallel)
         self.config = config
         first, end = (0, config.vocab_size) if parallel is None else parallel.vocab_rows(config.vocab_size)

@@ -22,8 +22,8 @@ from engine.paged_cache import PageConfig
 from engine.sampling import SamplingConfig
 from engine.scheduler import Request, serve
 from models import parallel
-from models.parallel import TensorParallel
-from weights.loader import load_model
+from models.parallel import TensorParallel, kv_head_place
+from weights.loader import load_model, read_config
 
 PROMPTS = ((1, 5, 9, 33, 7) * 6, (4, 8, 15, 16, 23, 42, 99) * 5, (3, 17))
 
@@ -50,7 +50,8 @@ def run_case(case: Case, tp: TensorParallel | None, device: torch.device | None 
     torch.manual_seed(0)
     model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), device or torch.device(case.device), parallel=tp)
     half = case.budget // 2
-    compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=case.budget, hysteresis=half, window=half)
+    kv_heads = kv_head_place(read_config(Path(case.checkpoint)), tp)
+    compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=case.budget, hysteresis=half, window=half, kv_heads=kv_heads)
     prompts = [list(p) for p in case.prompts]
     sampling = SamplingConfig(temperature=case.temperature, top_k=20)
     with torch.inference_mode():
