@@ -11,6 +11,7 @@ The kernel is called through a torch custom op with a fake implementation: flash
 the op is what lets a compiled step (fullgraph) hold it.
 """
 
+import functools
 import re
 
 import torch
@@ -33,6 +34,7 @@ else:
     MISSING = None
 
 
+@functools.cache
 def release(version: str) -> tuple[int, ...]:
     """'2.8.3.post1' -> (2, 8, 3): the release a version string names."""
     return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
@@ -44,9 +46,8 @@ def why_not_flash(
     """Why a decode step's attention cannot go to flash-attn, or None when it can.
     cache_dtype: the cache's floats, None when it holds int8/int4 codes; block_size: a paged
     cache's slots per block, None for the contiguous cache; store: a --kv-store to recall from."""
-    q_name, cache_name = (str(d).removeprefix("torch.") for d in (q_dtype, cache_dtype))
-    if device.type != "cuda":
-        return f"flash-attn runs on CUDA, the model on {device.type}"
+    if device.type != "cuda":  # first and cheap: an eager CPU step asks for every layer
+        return "flash-attn runs on CUDA only"
     if kernel is None:
         return MISSING
     if cache_dtype is None:
@@ -54,9 +55,9 @@ def why_not_flash(
     if store:
         return "--kv-store attends over recalled slots in the same softmax, which flash-attn does not"
     if cache_dtype not in FLASH_DTYPES:
-        return f"the cache holds {cache_name}; flash-attn reads float16 and bfloat16 only"
+        return f"the cache holds {dtype_name(cache_dtype)}; flash-attn reads float16 and bfloat16 only"
     if q_dtype != cache_dtype:
-        return f"the model computes in {q_name} and the cache holds {cache_name}; flash-attn takes one dtype for both (--kv-dtype auto)"
+        return f"the model computes in {dtype_name(q_dtype)} and the cache holds {dtype_name(cache_dtype)}; flash-attn takes one dtype for both (--kv-dtype auto)"
     if head_dim > FLASH_MAX_HEAD_DIM:
         return f"heads of {head_dim} channels; flash-attn takes at most {FLASH_MAX_HEAD_DIM}"
     if block_size is not None:
@@ -65,6 +66,10 @@ def why_not_flash(
         if release(flash_attn.__version__) > FLASH_CHECKED_UP_TO:
             return f"flash-attn {flash_attn.__version__}'s paged decode syncs with the host, which a CUDA graph cannot capture (checked up to 2.8.3)"
     return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @torch.library.custom_op("engine::flash_decode", mutates_args=())

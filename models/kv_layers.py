@@ -1,7 +1,8 @@
 """What one forward pass sees of the KV cache: each layer's keys and values, where the new tokens
 are written, and which slots each query reads. The model calls three verbs on a layer, `write`,
-`attend` and `hand_over_queries` (to a KV policy, when the view has a tap); which layout holds the slots (contiguous rows, or a pool of blocks through a block
-table, models/pages.py) is decided here and nowhere else in the model.
+`attend` and `hand_over_queries` (to a KV policy, when the view has a tap); which layout holds
+the slots (contiguous rows, or a pool of blocks through a block table, models/pages.py) is
+decided here and nowhere else in the model.
 
 The engine's caches make these views (engine/kv_cache.py, engine/paged_cache.py): a layer's
 view is its slice of the cache's buffers, so what a block writes lands in the cache itself. A

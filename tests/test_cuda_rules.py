@@ -232,11 +232,33 @@ def test_flash_is_taken_only_where_its_checks_pass(monkeypatch, q_dtype, cache_d
     assert why is None if reason is None else reason in why
 
 
-def test_flash_is_never_taken_on_cpu_or_without_the_package(monkeypatch):
-    assert "the model on cpu" in flash_attention.why_not_flash(CPU, torch.bfloat16, torch.bfloat16, 64, None, store=False)
-    monkeypatch.setattr(flash_attention, "kernel", None)
-    monkeypatch.setattr(flash_attention, "MISSING", "flash-attn is not installed (the `cuda` extra)")
-    assert flash_attention.why_not_flash(CUDA, torch.bfloat16, torch.bfloat16, 64, None, store=False) == "flash-attn is not installed (the `cuda` extra)"
+def test_flash_is_never_taken_on_cpu(monkeypatch):
+    monkeypatch.setattr(flash_attention, "kernel", flash_attn_reference)
+    assert flash_attention.why_not_flash(CPU, torch.bfloat16, torch.bfloat16, 64, None, store=False) == "flash-attn runs on CUDA only"
+
+
+@pytest.mark.parametrize(
+    ("package", "reason"),
+    [
+        (None, "flash-attn is not installed (the `cuda` extra)"),
+        ("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')", "flash-attn failed to import (flash_attn_2_cuda.so: undefined symbol: _ZN3c10)"),
+    ],
+)
+def test_a_missing_or_broken_flash_attn_is_named_as_such(package, reason, tmp_path):
+    """Without the package, and with one built for another torch (its extension fails to load)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    setup = "import sys; sys.modules['flash_attn'] = None"
+    if package is not None:
+        (tmp_path / "flash_attn").mkdir()
+        (tmp_path / "flash_attn" / "__init__.py").write_text(package + "\n")
+        setup = f"import sys; sys.path.insert(0, {str(tmp_path)!r})"
+    code = f"{setup}; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); import models.flash_attention as f; print(f.MISSING)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == reason
 
 
 def test_the_scripts_name_the_attention_path_on_cuda_and_why(tiny_checkpoint, monkeypatch):
