@@ -59,12 +59,9 @@ from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
 from benchmark.workload import ServingWorkload, Workload, progress
-from cli import (
-    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, page_config,
-    attention_line, pick_device, pick_dtype,
-    ranks_running, start_ranks,
-)
-from engine.paged_cache import PageConfig
+from cli import DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, pick_device, pick_dtype
+from cli_features import attention_line, page_config, ranks_running, start_ranks
+from kv.paged import PageConfig
 from errors import UserError, run_command
 from models.config import ModelConfig
 from models.parallel import kv_head_place

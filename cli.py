@@ -1,29 +1,21 @@
 """Command-line helpers shared by generate.py, serve.py, bench.py and evaluate.py: the checkpoint and the form its
-weights run in, devices, dtypes, the KV-policy, quantization, paging and tensor-parallel options, sampling
-defaults, and an answer's text."""
+weights run in, devices, dtypes, the options of every feature, sampling defaults, and an answer's text. What
+builds a feature from its options is in cli_features.py, which a script loads only when a feature is asked for."""
 
 import argparse
-import contextlib
 import os
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
-from engine.paged_cache import PageConfig, default_block_size
 from engine.sampling import SamplingConfig
 from engine.stop_strings import StopStrings
 from errors import UserError
-from models import parallel
-from models.config import ModelConfig
-from models.flash_attention import why_not_flash
-from models.kv_quant import KV_BITS, KV_DTYPES, kv_storage
+from kv import KV_BITS, KV_DTYPES
 from models.linear import NATIVE_CPU_MATMUL
-from models.parallel import TensorParallel
-from models.quantized import GROUP_SIZES, QUANT_MODES
-from weights.download import resolve_checkpoint
+from models import GGUF_GROUP, GROUP_SIZES, QUANT_MODES
 from weights.loader import stored_dtype, stored_quantized
 from weights.tokenizer import StreamDecoder, Tokenizer
 
@@ -31,6 +23,10 @@ from weights.tokenizer import StreamDecoder, Tokenizer
 LLAMA_CPP_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
 SAMPLING_FIELDS = tuple(LLAMA_CPP_SAMPLING)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# How long a collective waits for the other ranks before it fails: long enough for the slowest
+# rank's first torch.compile, short enough that a dead or stuck rank ends the run.
+DEFAULT_RANK_TIMEOUT_S = 600
+COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers); --no-compile runs eager"
 COMPILE_FROM_TOKENS = 512  # from this many tokens a compiled step repays its warm start (docs/performance.md)
 DTYPE_HELP = (
     "activations and KV cache. auto: bfloat16 with quantized weights, the bundled model's included, on every CPU kind "
@@ -59,11 +55,14 @@ def checkpoint_and_quant(checkpoint: str | None, quant: str, group_size: int) ->
     float copy, --quant int8 that copy in 8 bits. Under torchrun, whose tensor parallelism splits
     16/32-bit weights only, the default is the float copy."""
     if checkpoint is None:
-        from weights.gguf_blocks import GROUP  # the GGUF machinery, imported only for the bundled model
         from weights.packaged import smollm2_checkpoint
 
-        own_blocks = parallel.launched_ranks() == 1 and (quant == "auto" or (quant == "int4" and group_size == GROUP))
+        own_blocks = launched_ranks() == 1 and (quant == "auto" or (quant == "int4" and group_size == GGUF_GROUP))
         return smollm2_checkpoint(quantized=own_blocks), "none" if own_blocks or quant == "auto" else quant
+    if Path(checkpoint).expanduser().is_dir():
+        return Path(checkpoint).expanduser(), "none" if quant == "auto" else quant
+    from weights.download import resolve_checkpoint  # the hub client, only for what is not a local folder
+
     return resolve_checkpoint(checkpoint), "none" if quant == "auto" else quant
 
 
@@ -85,7 +84,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
     g.add_argument(
         "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS], default="auto",
-        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32, or int8/int4 codes with a float16 step and minimum per 32 channels of each token; k8v4: keys int8, values int4 (models/kv_quant.py)",
+        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32, or int8/int4 codes with a float16 step and minimum per 32 channels of each token; k8v4: keys int8, values int4 (kv/quantized.py)",
     )
     g.add_argument("--kv-store", type=int, default=d.store_slots, metavar="SLOTS", help="demote what a policy evicts into a store of this many slots (pages of 16), which each decode step recalls from (0: eviction is final)")
     g.add_argument("--kv-store-dtype", choices=[*KV_DTYPES, *KV_BITS], default=d.store_dtype, help="how the store holds keys and values")
@@ -115,19 +114,10 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
 
 
 def add_paging_args(p: argparse.ArgumentParser, paged_help: str) -> None:
-    g = p.add_argument_group("paged KV cache (engine/paged_cache.py)")
+    g = p.add_argument_group("paged KV cache (kv/paged.py)")
     g.add_argument("--paged", action="store_true", help=paged_help)
     g.add_argument("--block-size", type=int, help="slots per block, a power of two (default: 16; 256 on CUDA with flash-attn, its page size)")
     g.add_argument("--kv-blocks", type=int, help="blocks in the pool (default: every row's longest case, the contiguous cache's memory)")
-
-
-def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> PageConfig | None:
-    """The paged cache's shape when this run pages its cache (--paged, or continuous batching), else None."""
-    if not paged:
-        if args.block_size is not None or args.kv_blocks is not None:
-            raise UserError("--block-size and --kv-blocks size a paged cache; add --paged (or --max-batch) or drop them")
-        return None
-    return PageConfig(default_block_size(device) if args.block_size is None else args.block_size, args.kv_blocks)
 
 
 def compile_pays(device: torch.device, tokens: int | None) -> bool:
@@ -167,64 +157,17 @@ def pick_dtype(name: str, checkpoint: Path, device: torch.device, quant: str, *,
     return torch.float32 if rows > 1 and not NATIVE_CPU_MATMUL[torch.bfloat16] else torch.bfloat16
 
 
-def attention_line(device: torch.device, dtype: torch.dtype, config: ModelConfig, kv_dtype: str, pages: PageConfig | None, store_slots: int) -> str | None:
-    """One line for stderr on CUDA: which kernel a decode step's attention runs, and why when it is
-    not flash-attn (None on CPU, whose one path is SDPA)."""
-    if device.type != "cuda":
-        return None
-    cache_dtype, bits = kv_storage(kv_dtype, dtype)
-    block_size = None if pages is None else pages.block_size
-    reason = why_not_flash(device, dtype, None if bits else cache_dtype, config.head_dim, block_size, store_slots > 0)
-    if reason is None:
-        return "attention: flash-attn in decode steps" + (" through the block table" if pages else "") + ", SDPA in prefill"
-    return f"attention: SDPA{' over gathered blocks' if pages else ''}, not flash-attn: {reason}"
-
-
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tensor parallelism (launch with torchrun --nproc-per-node N; models/parallel.py)")
     g.add_argument(
-        "--rank-timeout", type=float, default=parallel.DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        "--rank-timeout", type=float, default=DEFAULT_RANK_TIMEOUT_S, metavar="SECONDS",
         help="how long a rank waits for the others at a collective before the run fails (a rank that died or hung)",
     )
 
 
-def start_ranks(args: argparse.Namespace, device: torch.device) -> tuple[TensorParallel | None, torch.device]:
-    """Under torchrun with N > 1 ranks, join them (this rank's place and device); else (None, device)."""
-    if parallel.launched_ranks() == 1:
-        return None, device
-    if args.rank_timeout <= 0:
-        raise UserError(f"--rank-timeout must be positive, got {args.rank_timeout}")
-    return parallel.start(device, args.rank_timeout)
-
-
-@contextlib.contextmanager
-def ranks_running(tp: TensorParallel | None) -> Iterator[None]:
-    """Around a tensor-parallel run: only rank 0 prints (the others' output goes nowhere; errors
-    still reach every rank's stderr), a failed collective is one clear error on every rank, and
-    the process group ends with the run."""
-    if tp is None:
-        yield
-        return
-    finished = False
-    try:
-        with open(os.devnull, "w") as nowhere, contextlib.ExitStack() as quiet:
-            if tp.rank > 0:
-                quiet.enter_context(contextlib.redirect_stdout(nowhere))
-                quiet.enter_context(contextlib.redirect_stderr(nowhere))
-            yield
-        finished = True
-    except RuntimeError as e:
-        # What a collective raises when a peer is gone or a wait times out: NCCL's DistError, gloo's
-        # RuntimeError from its own sources. Any other RuntimeError is a bug, and keeps its traceback.
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e):
-            raise
-        detail = str(e).strip().splitlines()[0]
-        raise UserError(
-            f"rank {tp.rank} of {tp.world}: a collective with the other ranks failed ({detail}); "
-            "another rank died, hung past --rank-timeout, or stopped on an error of its own (see its message)"
-        ) from None
-    finally:
-        parallel.stop(tp, finished)
+def launched_ranks() -> int:
+    """How many ranks the launcher started (torchrun sets WORLD_SIZE); 1 without a launcher."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def sampling_with(given: dict[str, float | int | None], checkpoint_defaults: dict[str, float | int] | None) -> SamplingConfig:
@@ -251,3 +194,21 @@ class AnswerText:
         piece = self.stops.push(self.decoder.flush()) + self.stops.flush()
         self.text += piece
         return piece
+
+
+class CompileNotice:
+    """Says once on stderr, just before the first decode step, that the step is being compiled
+    (after every check of the input has passed, so a bad request stays one line of error)."""
+
+    def __init__(self, compiling: bool):
+        self.pending = compiling
+
+    def __call__(self) -> None:
+        if self.pending:
+            print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+            self.pending = False
+
+
+def answer_eos(args: argparse.Namespace, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end an answer: none with --ignore-eos."""
+    return frozenset() if args.ignore_eos else tokenizer.eos_ids

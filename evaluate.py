@@ -1,9 +1,9 @@
 """Every KV-cache policy on a real model, at equal budgets, through the engine's own decode path.
 
-    python evaluate.py --model smollm2 --dtype bfloat16                    # retrieval (docs/eval/smollm2/retrieval)
-    python evaluate.py --task humaneval --model qwen-coder --dtype bfloat16  # docs/eval/qwen-coder/humaneval
+    python evaluate.py --model smollm2 --dtype bfloat16                    # retrieval (results/eval/smollm2/retrieval)
+    python evaluate.py --task humaneval --model qwen-coder --dtype bfloat16  # results/eval/qwen-coder/humaneval
     python evaluate.py --model smollm2 --quick                             # a smoke run
-    python evaluate.py --report docs/eval/smollm2/retrieval/results.json   # tables and plot again
+    python evaluate.py --report results/eval/smollm2/retrieval/results.json   # tables and plot again
     python evaluate.py --report A/results.json B/results.json --out DIR    # runs on the same batch, as one table
 
 Each finished (policy, budget) cell is written to --out at once; the same command run again
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     p.add_argument("--max-new-tokens", type=int, help="humaneval: tokens per answer at most (default 512; --quick: 48)")
     p.add_argument("--batch", type=int, default=25, help="humaneval: problems decoded together, batched by the full cache's answer lengths (default 25)")
     p.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds each program may run (default 10)")
-    p.add_argument("--out", type=Path, help="folder for results.md, results.json and the plot (default docs/eval/MODEL/TASK); a run stopped there resumes")
+    p.add_argument("--out", type=Path, help="folder for results.md, results.json and the plot (default results/eval/MODEL/TASK); a run stopped there resumes")
     p.add_argument("--restart", action="store_true", help="overwrite the results in --out instead of resuming them")
     p.add_argument("--full-pass", type=Path, help="retrieval: start from the full cache's pass another run saved (its folder's full_pass.pt), e.g. to run other policies or another --aggregation on the same traces")
     p.add_argument("--quick", action="store_true", help="a smoke run: short streams or four problems, one budget, three policies")
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
     if a.threads:
         torch.set_num_threads(a.threads)
     checkpoint = resolve_model(a.model)
-    out = a.out or Path("docs/eval") / (a.model if a.model in MODELS else checkpoint.name) / (a.task + ("-quick" if a.quick else ""))
+    out = a.out or Path("results/eval") / (a.model if a.model in MODELS else checkpoint.name) / (a.task + ("-quick" if a.quick else ""))
     shared = dict(
         checkpoint=checkpoint, policies=policies, hysteresis=_default(a.hysteresis, hysteresis), window=_default(a.window, window),
         n_beacon=_default(a.n_beacon, n_beacon), n_recent=_default(a.n_recent, n_recent), aggregation=a.aggregation, dtype=a.dtype, out=out, seed=a.seed,
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
 
     def body() -> None:
-        if args[:1] == ["--report"]:  # python evaluate.py --report docs/eval/smollm2/retrieval/results.json
+        if args[:1] == ["--report"]:  # python evaluate.py --report results/eval/smollm2/retrieval/results.json
             report(args[1:])
             return
         config = parse_args(args)

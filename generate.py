@@ -15,30 +15,21 @@ llama-cli does: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, seeded (--see
 reproducible. Each sampling flag overrides its value; --temperature 0 is greedy.
 """
 
-COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers); --no-compile runs eager"
-
 import argparse
-import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cli import (
-    SAMPLING_FIELDS, AnswerText, attention_line, sampling_with, COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant,
-    compile_pays, compression_config, page_config, pick_device, pick_dtype, ranks_running, start_ranks,
+    COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, SAMPLING_FIELDS, AnswerText, CompileNotice, add_compression_args, add_paging_args, add_parallel_args,
+    add_quant_args, answer_eos, checkpoint_and_quant, compile_pays, compression_config, launched_ranks, pick_device, pick_dtype, sampling_with,
 )
-from compression.config import CompressionConfig
-from engine.chat import Conversation
-from engine.generation import GenerationResult, Session, generate
-from engine.paged_cache import PageConfig
+from engine.generation import GenerationResult, generate
 from engine.sampling import SamplingConfig
-from engine.scheduler import BatchRun, Request, serve
 from errors import UserError, run_command
-from models.parallel import TensorParallel, from_rank0, kv_head_place, launched_ranks
 from weights.generation_config import sampling_defaults
-from weights.loader import load_model, read_config
+from weights.loader import load_model, stored_quantized
 from weights.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,71 +141,79 @@ def rows_at_once(args: argparse.Namespace, prompts: list[list[int]] | None) -> i
     return len(prompts) if args.max_batch is None else min(len(prompts), args.max_batch)
 
 
-class CompileNotice:
-    """Says once on stderr, just before the first decode step, that the step is being compiled
-    (after every check of the input has passed, so a bad request stays one line of error)."""
-
-    def __init__(self, compiling: bool):
-        self.pending = compiling
-
-    def __call__(self) -> None:
-        if self.pending:
-            print(COMPILE_NOTICE, file=sys.stderr, flush=True)
-            self.pending = False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run_command(lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> None:
-    compression = compression_config(args)
-    if args.interactive and launched_ranks() > 1:
+    compression_config(args)  # a bad KV-policy option fails before anything loads
+    if launched_ranks() == 1:
+        run_on(args, None, pick_device(args.device))
+        return
+    from cli_features import ranks_running, start_ranks  # tensor parallelism, under torchrun only
+
+    if args.interactive:
         raise UserError("--interactive reads stdin on one process; under torchrun give --prompt or --prompt-file")
     tp, device = start_ranks(args, pick_device(args.device))
     with ranks_running(tp):
-        run_on(args, tp, device, compression)
+        run_on(args, tp, device)
 
 
-def run_on(args: argparse.Namespace, tp: TensorParallel | None, device: torch.device, compression: CompressionConfig) -> None:
+def uses_features(args: argparse.Namespace, device: torch.device, cuda_graph: bool) -> bool:
+    """Whether the run needs more than the plain engine (a contiguous float cache, an eager step)."""
+    asked = compression_config(args).enabled or args.kv_store or args.kv_dtype != "auto" or args.paged or args.max_batch is not None
+    asked = asked or args.block_size is not None or args.kv_blocks is not None
+    return bool(asked or args.compile or cuda_graph or device.type == "cuda")
+
+
+def run_on(args: argparse.Namespace, tp, device: torch.device) -> None:
     """The run on this process: the whole model, or under torchrun this rank's part of it (only rank 0 prints)."""
     checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
-    compression = replace(compression, kv_heads=kv_head_place(read_config(checkpoint), tp))
     sampling = sampling_config(args, sampling_defaults(checkpoint))
     tokenizer = Tokenizer.from_dir(checkpoint)
     prompts = None
     if not args.interactive:  # rank 0 reads them (stdin reaches one process), every rank encodes them
-        texts = from_rank0(read_prompts(args) if tp is None or tp.rank == 0 else None, tp)
+        texts = read_prompts(args) if tp is None or tp.rank == 0 else None
+        if tp is not None:
+            from models.parallel import from_rank0
+
+            texts = from_rank0(texts, tp)
         prompts = encode_prompts(tokenizer, texts, args.chat, args.system)
     dtype = pick_dtype(args.dtype, checkpoint, device, quant, rows=rows_at_once(args, prompts))
-    model = load_model(checkpoint, dtype, device, quant, args.group_size, tp)
+    if tp is not None:
+        from weights.sharding import load_rank
+
+        model = load_rank(checkpoint, dtype, device, tp, quant)
+    elif quant != "none" or stored_quantized(checkpoint):
+        from weights.quantized_loading import load_quantized
+
+        model = load_quantized(checkpoint, dtype, device, quant, args.group_size)
+    else:
+        model = load_model(checkpoint, dtype, device)
     if args.compile is None:
         args.compile = compile_pays(device, None if prompts is None else len(prompts) * args.max_new_tokens)
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-    pages = page_config(args, device, args.paged or args.max_batch is not None)
-    attention = attention_line(device, dtype, model.config, args.kv_dtype, pages, args.kv_store)
-    if attention is not None:
-        print(attention, file=sys.stderr)
+    plain = tp is None and prompts is not None and args.max_batch is None and not uses_features(args, device, cuda_graph)
     with torch.inference_mode():
+        if plain:
+            answer(args, model, tokenizer, prompts, sampling, None)
+            return
+        from cli_features import answer_continuously, chat, feature_options  # the features, only when asked for
+
+        options = feature_options(args, checkpoint, model, tp, dtype, cuda_graph)
         if prompts is None:
-            session = Session(
-                model, 1, chat_context(args, model), eos_ids=tokenizer.eos_ids, sampling=sampling, compression=compression, compile=args.compile,
-                cuda_graph=cuda_graph, pages=pages, kv_dtype=args.kv_dtype,
-            )
-            chat(args, model, tokenizer, session)
+            chat(args, model, tokenizer, sampling, options)
         elif args.max_batch is not None:
-            answer_continuously(args, model, tokenizer, prompts, sampling, compression, cuda_graph, pages)
+            answer_continuously(args, model, tokenizer, prompts, sampling, options)
         else:
-            answer(args, model, tokenizer, prompts, sampling, compression, cuda_graph, pages)
+            answer(args, model, tokenizer, prompts, sampling, options)
 
 
-def answer(
-    args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool,
-    pages: PageConfig | None,
-) -> None:
-    """One run over a batch of prompts: a single answer streams, a batch prints once complete."""
+def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, options) -> None:
+    """One run over a batch of prompts: a single answer streams, a batch prints once complete.
+    options: the run's features (engine.options.RunOptions), None for the plain engine."""
     texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
     streaming = len(prompts) == 1
     notice = CompileNotice(args.compile)
@@ -228,114 +227,19 @@ def answer(
                     print(piece, end="", flush=True)
         return [row for row in news if texts[row].stops.stopped]
 
-    result = generate(
-        model, prompts, args.max_new_tokens, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compile=args.compile, on_tokens=on_tokens,
-        compression=compression, cuda_graph=cuda_graph, pages=pages, kv_dtype=args.kv_dtype,
-    )
+    if options is None:
+        result = generate(model, prompts, args.max_new_tokens, eos_ids=answer_eos(args, tokenizer), sampling=sampling, on_tokens=on_tokens)
+    else:
+        from engine import options as features
+
+        result = features.generate(model, prompts, args.max_new_tokens, eos_ids=answer_eos(args, tokenizer), sampling=sampling, on_tokens=on_tokens, options=options)
     endings = [text.flush() for text in texts]
     if streaming:
         print(endings[0], flush=True)  # all of the answer before the summary, when both go to a terminal
     else:
         # A batch is printed once it is complete, answers in prompt order, a blank line apart.
         print("\n\n".join(text.text for text in texts), flush=True)
-    print(summary(result, cuda_graph), file=sys.stderr)
-
-
-def answer_continuously(
-    args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, compression: CompressionConfig, cuda_graph: bool,
-    pages: PageConfig,
-) -> None:
-    """Continuous batching: each answer is printed once it and every answer before it are
-    complete, so they come out in prompt order, a blank line apart."""
-    texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
-    done = [False] * len(prompts)
-    printed = 0
-
-    notice = CompileNotice(args.compile)
-
-    def on_tokens(news: dict[int, int | None]) -> list[int]:
-        nonlocal printed
-        notice()
-        for prompt, token in news.items():
-            if token is not None:
-                texts[prompt].push(token)
-                continue
-            texts[prompt].flush()  # its answer is complete
-            done[prompt] = True
-            while printed < len(prompts) and done[printed]:
-                print(("\n" if printed else "") + texts[printed].text, flush=True)
-                printed += 1
-        return [prompt for prompt, token in news.items() if token is not None and texts[prompt].stops.stopped]
-
-    requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
-    run = serve(
-        model, requests, args.max_batch, eos_ids=eos_ids(args, tokenizer), sampling=sampling, compression=compression, pages=pages,
-        compile=args.compile, cuda_graph=cuda_graph, on_tokens=on_tokens, kv_dtype=args.kv_dtype,
-    )
-    print(batch_summary(run), file=sys.stderr)
-
-
-def eos_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> frozenset[int]:
-    return frozenset() if args.ignore_eos else tokenizer.eos_ids
-
-
-def batch_summary(run: BatchRun) -> str:
-    return (
-        f"prompts: {len(run.tokens)} | prompt tokens: {run.prompt_tokens} | new tokens: {run.new_tokens} | "
-        f"{run.new_tokens / run.seconds:.1f} new tok/s over {run.seconds:.1f} s ({run.steps} steps, at most {run.most_rows} prompts at once) | "
-        f"KV cache: {run.kv_peak_bytes / 2**20:.1f} of {run.kv_cache_bytes / 2**20:.1f} MiB at its peak"
-    )
-
-
-def chat_context(args: argparse.Namespace, model) -> int:
-    limit = model.config.max_position_embeddings
-    context = min(limit, 4096) if args.context is None else args.context
-    if not 2 <= context <= limit:
-        raise UserError(f"--context must be between 2 and the model's {limit} positions, got {context}")
-    return context
-
-
-def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, session: Session) -> None:
-    """The interactive loop: one user message per line of stdin; /reset, /exit; Ctrl-C stops an answer."""
-    if not tokenizer.has_chat_template:
-        raise UserError("--interactive needs a checkpoint with a chat template; give a prompt instead")
-    if args.chat is False:
-        raise UserError("--interactive is a chat over the chat template; drop --no-chat")
-    conversation = Conversation(session, tokenizer, args.system, model.config.max_position_embeddings)
-    notice = CompileNotice(args.compile)  # one session for the whole chat: its first answer compiles
-    print(f"chat: {session.cache.n_slots} cache slots; /reset starts over, /exit or end of input leaves, Ctrl-C stops an answer", file=sys.stderr)
-    while True:
-        print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        message = line.strip()
-        if not line or message == "/exit":
-            return
-        if message == "/reset":
-            conversation.reset()
-            print("(a new conversation)", file=sys.stderr)
-            continue
-        if not message:
-            continue
-        text = AnswerText(tokenizer, args.stop)
-        interrupted = []
-
-        def on_tokens(news: dict[int, int | None]) -> list[int]:
-            notice()
-            if news.get(0) is not None:
-                print(text.push(news[0]), end="", flush=True)
-            return [0] if text.stops.stopped or interrupted else []
-
-        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
-        try:
-            conversation.turn(message, args.max_new_tokens, on_tokens)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        print(text.flush(), flush=True)
-        if interrupted:
-            print("(answer stopped)", file=sys.stderr)
+    print(summary(result, options is not None and options.cuda_graph), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,17 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from cli import (
-    DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_quant_args, attention_line, checkpoint_and_quant, compression_config, page_config,
-    pick_device, pick_dtype,
-)
+from cli import DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_quant_args, checkpoint_and_quant, compression_config, pick_device, pick_dtype
+from cli_features import attention_line, page_config
+from engine.options import RunOptions
 from engine.sampling import RowSampling, SamplingConfig
 from engine.scheduler import ContinuousBatch, ContinuousSession, Request
 from errors import UserError, run_command
 from server.app import Served, build_app
 from server.worker import Worker
 from weights.generation_config import sampling_defaults
-from weights.loader import load_model, read_config
+from weights.forms import load_model
+from weights.loader import read_config
 from weights.tokenizer import Tokenizer
 
 log = logging.getLogger("serve")
@@ -101,10 +101,9 @@ def run(args: argparse.Namespace) -> None:
         log.info("loading %s (%s)%s", checkpoint, str(dtype).removeprefix("torch."), "; compiling the decode step" if compile else "")
         model = load_model(checkpoint, dtype, device, quant, args.group_size)
         sampling = RowSampling([SamplingConfig()] * args.max_batch, device, seeded=True)
-        session = ContinuousSession(
-            model, args.max_batch, context, eos_ids=frozenset() if args.ignore_eos else tokenizer.eos_ids, sampling=sampling, compression=compression, compile=compile, pages=pages,
-            kv_dtype=args.kv_dtype,
-        )
+        options = RunOptions(compile=compile, compression=compression, pages=pages, kv_dtype=args.kv_dtype)
+        eos_ids = frozenset() if args.ignore_eos else tokenizer.eos_ids
+        session = ContinuousSession(model, args.max_batch, context, options, eos_ids=eos_ids, sampling=sampling)
         batch = ContinuousBatch(session, compression, on_tokens)
         batch.add("warm-up", Request(tokenizer.encode("Hello") or [0], 2))
         while batch.busy():

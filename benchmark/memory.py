@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_cache import KVCache
-from models.kv_quant import kv_storage
+from kv.quantized import contiguous_cache
 from models.transformer import Transformer
 
 
@@ -46,14 +45,13 @@ class DecodeTraffic:
 
 def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: int, kv_dtype: str = "auto") -> DecodeTraffic:
     """The bytes read by the new_tokens - 1 decode steps that follow a prefill of prompt_len tokens,
-    with the cache storing keys and values as kv_dtype says (models/kv_quant.py)."""
+    with the cache storing keys and values as kv_dtype says (kv/quantized.py)."""
     config = model.config
     itemsize = model.norm.weight.element_size()  # the activations', which the KV cache and a looked-up row share
     # The LM head is read in full even when it is the embedding table; the table as an embedding
     # is only gathered from, one row per batch row.
     weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
-    kv_bytes_per_slot = KVCache.allocate(config, 1, 1, dtype, torch.device("meta"), bits=bits).nbytes  # codes and scales included
+    kv_bytes_per_slot = contiguous_cache(config, 1, 1, kv_dtype, model.dtype, torch.device("meta")).nbytes  # codes and scales included
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
     # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)

@@ -29,10 +29,10 @@ from benchmark.machine import Machine, synchronize
 from benchmark.report import MIB, number, table
 from benchmark.workers import Loaded, System, SystemRun, timed_in_turn
 from benchmark.workload import ServingTrial, ServingWorkload, dtype_name, progress
-from engine.generation import generate
-from engine.paged_cache import PageConfig
+from engine.options import RunOptions, generate
+from kv.paged import PageConfig
 from engine.scheduler import Request, serve
-from weights.loader import load_model
+from weights.forms import load_model
 
 
 def random_requests(vocab_size: int, n: int, prompt_lens: tuple[int, int], new_tokens: tuple[int, int], seed: int) -> list[Request]:
@@ -77,8 +77,7 @@ def load_engine_continuous(w: ServingWorkload) -> Loaded:
 
     def measure() -> ServingTrial:
         with torch.inference_mode():
-            run = serve(model, w.requests, w.max_batch, eos_ids=frozenset(), compression=w.compression, pages=pages, compile=w.compile,
-                        cuda_graph=w.device.type == "cuda", kv_dtype=w.kv_dtype)
+            run = serve(model, w.requests, w.max_batch, eos_ids=frozenset(), options=RunOptions(compression=w.compression, pages=pages, compile=w.compile, cuda_graph=w.device.type == "cuda", kv_dtype=w.kv_dtype))
         synchronize(w.device)
         return ServingTrial(run.seconds, run.new_tokens, run.kv_peak_bytes, run.most_rows)
 
@@ -101,10 +100,7 @@ def load_engine_static(w: ServingWorkload) -> Loaded:
                 made[row] += token is not None
             return [row for row in news if made[row] >= limits[row]]
 
-        result = generate(
-            model, [r.prompt for r in batch], max(limits), eos_ids=frozenset(), compile=w.compile, on_tokens=stop_at_limit,
-            compression=w.compression, cuda_graph=w.device.type == "cuda", n_slots=w.row_slots, kv_dtype=w.kv_dtype,
-        )
+        result = generate(model, [r.prompt for r in batch], max(limits), eos_ids=frozenset(), on_tokens=stop_at_limit, n_slots=w.row_slots, options=RunOptions(compile=w.compile, compression=w.compression, cuda_graph=w.device.type == "cuda", kv_dtype=w.kv_dtype))
         return result.new_tokens, result.kv_peak_bytes
 
     measure = partial(batch_by_batch, w, run_batch)

@@ -26,9 +26,10 @@ from benchmark.memory import DecodeTraffic, decode_traffic
 from benchmark.workers import Loaded
 from benchmark.workload import Trial, Workload, dtype_name, progress
 from compression.manager import CompressionStats
-from engine.generation import generate
-from engine.paged_cache import PageConfig
-from weights.loader import load_model
+from engine.options import RunOptions, generate
+from kv.paged import PageConfig
+from weights.forms import load_model
+from weights.sharding import load_rank
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,10 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
     name = "engine" if pages is None else "engine_paged"
     quant = f", weights {w.quant_label}" if w.quant_label else ""
     progress(f"{name}: loading {w.checkpoint} as {dtype_name(w.dtype)} on {w.device}{quant}")
-    model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size, w.parallel)
+    if w.parallel is None:
+        model = load_model(w.checkpoint, w.dtype, w.device, w.quant, w.group_size)
+    else:
+        model = load_rank(w.checkpoint, w.dtype, w.device, w.parallel, w.quant)
     stats: list[tuple[CompressionStats | None, float]] = []  # per trial, with its decode seconds
     ceilings: list[float] = []
 
@@ -77,10 +81,7 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
 
         start = time.perf_counter()
         with torch.inference_mode():
-            result = generate(
-                model, w.prompts, w.new_tokens, eos_ids=frozenset(), compile=w.compile, on_tokens=on_tokens,
-                compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages, kv_dtype=w.kv_dtype,
-            )
+            result = generate(model, w.prompts, w.new_tokens, eos_ids=frozenset(), on_tokens=on_tokens, options=RunOptions(compile=w.compile, compression=w.compression, cuda_graph=w.device.type == "cuda", pages=pages, kv_dtype=w.kv_dtype))
         stats.append((result.compression, result.decode_s))
         trial = Trial(first_token_at[0] - start, result.decode_tok_s, result.kv_cache_bytes)
         if w.ceiling:  # right after each trial, so that the share compares figures taken together

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from compression.config import CompressionConfig
-from engine.paged_cache import PageConfig
+from kv.paged import PageConfig
 from engine.scheduler import Request
 from models.parallel import TensorParallel
 
@@ -35,7 +35,7 @@ class Workload:
     gguf: Path | None = None  # the file llama.cpp runs
     parallel: TensorParallel | None = None  # under torchrun: this rank's place; the engine then runs in the rank's own process
     peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
-    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (models/kv_quant.py); the other systems keep theirs
+    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (kv/quantized.py); the other systems keep theirs
 
     @property
     def batch(self) -> int:
@@ -88,7 +88,7 @@ class ServingWorkload:
     quant: str = "none"
     group_size: int = 32
     peer_checkpoint: Path | None = None  # what transformers loads, when the engine's checkpoint is one only it reads
-    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (models/kv_quant.py); the other systems keep theirs
+    kv_dtype: str = "auto"  # how the engine's cache stores keys and values (kv/quantized.py); the other systems keep theirs
 
     @property
     def new_tokens(self) -> int:

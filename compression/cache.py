@@ -1,5 +1,4 @@
-"""What compression needs of the engine's KV cache, in either layout (engine/kv_cache.py,
-engine/paged_cache.py): the counters, the keys of a layer or of every layer as
+"""What compression needs of the engine's KV cache, of any kind (kv/): the counters, the keys of a layer or of every layer as
 [.., B, H_kv, S, D] in floats, and a compaction that moves kept slots to the front. Compression
 never learns how the slots are laid out or stored (floats or codes), and never touches a block
 table or the pool's free list (the engine returns the emptied blocks after a compaction).
@@ -34,12 +33,9 @@ class Cache(Protocol):
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
 
-    @property
-    def store(self) -> object | None:
-        """Where evicted slots are demoted (engine/kv_store.py), or None: eviction is final."""
-
-    def demote(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Copy the slots [L, B, H_kv, E] about to be evicted, and their positions, into the store."""
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the slots [L, B, H_kv, E], [L, B, H_kv, E, D] each, in floats
+        (what a store takes in before a compaction evicts them)."""
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """[prefix | candidates | window] -> [prefix | kept | window] for K, V and the caller's

@@ -3,9 +3,9 @@
 from dataclasses import dataclass, replace
 
 from errors import UserError
+from kv import STORE_PAGE
 
-STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4", "k8v4")  # models/kv_quant.py's storage names
-STORE_PAGE = 16  # demoted slots per page of the store: each page has one summary, and is recalled whole
+STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4", "k8v4")  # kv/quantized.py's storage names
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
 AGGREGATIONS = ("max", "mean", "topm")
@@ -31,7 +31,7 @@ class CompressionConfig:
     # the random policy draws for all of them, as one process would, and takes its own.
     kv_heads: tuple[int, int] | None = None
     store_slots: int = 0  # demote evicted slots into a store of this many (0: eviction is final)
-    store_dtype: str = "int4"  # how the store holds keys and values (models/kv_quant.py's names)
+    store_dtype: str = "int4"  # how the store holds keys and values (kv/quantized.py's names)
     recall_pages: int = 4  # store pages each KV head of each decode step attends besides the cache
 
     def __post_init__(self):

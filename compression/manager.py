@@ -9,12 +9,15 @@ compacts between steps, where it also keeps which position each slot holds
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
 
 import torch
 
 from compression.cache import Cache
-from compression.compaction import evicted_offsets
+from kv.compaction import evicted_offsets
 from compression.config import CompressionConfig
 from compression.fps import farthest_queries
 from compression.policies import SCORERS, ScoringInputs
@@ -23,6 +26,9 @@ from compression.query_buffer import QueryBuffer
 from compression.received_attention import accumulate_attention
 from compression.scoring import rotate_to_position
 from compression.slot_positions import SlotPositions
+from kv.store import KVStore
+from models.config import ModelConfig
+from models.transformer import LayerKV
 from models.rope import apply_rope
 
 
@@ -39,12 +45,44 @@ def step_queries(n_layers: int, batch: int, n_heads: int, head_dim: int, device:
     return torch.zeros(n_layers, batch, n_heads, 1, head_dim, dtype=torch.float32, device=device)
 
 
+class QueryTap(NamedTuple):
+    """A layer's view of the cache that hands the queries before RoPE [B, H, T, D] to a KV policy as
+    it attends: into a decode step's static buffer [B, H, 1, D], written in place (inside a
+    compiled step or a CUDA graph), or in a prefill to a function that takes them as the layer
+    finishes, so that none outlives its layer."""
+
+    inner: LayerKV  # the view it wraps
+    tap: torch.Tensor | Callable[[torch.Tensor], None]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.inner.write(k, v, slots)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read(dtype)
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.tap, torch.Tensor):
+            self.tap.copy_(before_rope)
+        else:
+            self.tap(before_rope)
+        return self.inner.attend(q, slots, mask, before_rope)
+
+    def slots_read(self) -> list[tuple[torch.Tensor, int]]:
+        return self.inner.slots_read()
+
+
 class CompressionManager:
-    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        """n_heads: the query heads whose queries the model hands over."""
+    """A KV policy inside the engine's loop (engine/decode.py calls prefill_views, prefilled,
+    decode_views and after_decode; engine/generation.py after_step, reset and step_state)."""
+
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, store: KVStore | None = None):
+        """n_heads: the query heads whose queries the model hands over. store: where compactions
+        demote what they evict, which decode steps recall from (None: eviction is final)."""
         L, B, H_kv, _, D = cache.slot_shape()
         self.config = config
         self.cache = cache
+        self.store = store
+        self._tails: list[torch.Tensor] | None = None  # a chat turn's prefill: each layer's last queries, for the recent ring
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_positions, D]
         self.n_beacon = config.buffered_beacons
         self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.dtype, cache.device)
@@ -68,14 +106,48 @@ class CompressionManager:
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
-        if self.cache.store is not None:
-            self.cache.store.reset()
+        if self.store is not None:
+            self.store.reset()
         self.buffer.reset()
         self.positions.reset()
         if self.received is not None:
             self.received.zero_()
         self.prompt_tail = None
         self.generated = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What the policy holds beside the cache that counts as KV memory: the store."""
+        return 0 if self.store is None else self.store.nbytes
+
+    def decode_views(self, layers: list) -> list[QueryTap]:
+        """A decode step's views: each layer recalls from the store, if any, and writes its
+        queries into this manager's static buffer."""
+        return decode_views(layers, self.store, self.step_queries)
+
+    def after_decode(self, positions: torch.Tensor) -> None:
+        """Inside the decode step, after the forward: record its queries, issued at positions [B]."""
+        self.record(self.step_queries, positions)
+
+    def prefill_views(self, layers: list, prompt_lengths: torch.Tensor, fresh: bool) -> list[QueryTap]:
+        """A prefill's views. Into an empty cache each layer's queries seed the policy as the layer
+        finishes; after a conversation so far, each layer's last queries are kept for the ring."""
+        if fresh:
+            return [QueryTap(layer, partial(self.seed_layer, i, prompt_lengths=prompt_lengths)) for i, layer in enumerate(layers)]
+        self._tails = []
+        return [QueryTap(layer, self._keep_tail) for layer in layers]
+
+    def _keep_tail(self, queries: torch.Tensor) -> None:
+        self._tails.append(queries[:, :, -self.config.n_recent :].clone())  # a copy: a slice would pin the layer's q/k/v
+
+    def prefilled(self, n_new: list[int], fresh: bool) -> None:
+        """After a prefill, the counters advanced: a new prompt may be compressed now; a chat
+        turn's tokens join the generated part."""
+        if fresh:
+            self.compress_prompt()
+        else:
+            tails, self._tails = torch.stack(self._tails), None
+            self.append(tails, n_new)
 
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Called inside the decode step with that step's queries [L, B, H, 1, D], issued at positions [B]."""
@@ -112,19 +184,20 @@ class CompressionManager:
             self.prompt_tail = None
 
     def append(self, last_queries: torch.Tensor, n_new: list[int]) -> None:
-        """After a prefill into a cache in use (a chat turn): its tokens join the generated part,
-        and its last queries [L, B, H, min(n, n_recent), D] enter the recent ring as decoded ones
-        would. The cache is compacted at the next step if the turn took it past the budget."""
+        """After a prefill into a cache in use (a chat turn), the counters advanced past its tokens:
+        they join the generated part, and its last queries [L, B, H, min(n, n_recent), D] enter the
+        recent ring as decoded ones would. The cache is compacted at the next step if the turn took
+        it past the budget."""
         if len(set(n_new)) != 1:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n, kept = n_new[0], last_queries.shape[3]
         if self.received is not None:  # the new slots may hold evicted tokens' sums
-            new_slots = self.cache.length[:, None] + torch.arange(n, device=self.cache.device)  # [B, n]
+            new_slots = self.cache.length[:, None] - n + torch.arange(n, device=self.cache.device)  # [B, n]
             L, B, H_kv = self.received.shape[:3]
             self.received.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
         for i in range(kept):
             # Into the ring only: H2O's sums count the attention of decoded tokens alone.
-            self.buffer.record(last_queries[:, :, :, i : i + 1], self.cache.position + n - kept + i)
+            self.buffer.record(last_queries[:, :, :, i : i + 1], self.cache.position - kept + i)
             self._count_query()
         self.generated += n
 
@@ -189,9 +262,9 @@ class CompressionManager:
                 candidate_slots=candidate_slots,
             ))
         keep = torch.stack(keep)  # [L, B, H_kv, budget]
-        if cache.store is not None:
+        if self.store is not None:
             evicted = cache.prompt_length.view(1, B, 1, 1) + evicted_offsets(keep, n_candidates)  # [L, B, H_kv, E]
-            cache.demote(evicted, positions.gather(3, evicted))
+            self.store.demote(*cache.gather(evicted), positions.gather(3, evicted))
         moved = [positions] + ([self.received] if self.received is not None else [])
         cache.compact(moved, cache.prompt_length, keep, n_candidates, config.window)
         self.positions.keep(cache, positions)
@@ -240,10 +313,22 @@ class PerRowManagers:
     Rows join and leave at different steps, so each keeps its own schedule (one manager's is
     shared by all of its rows); a row's manager starts over when a new prompt takes the row."""
 
-    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
-        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin) for b in range(cache.length.shape[0])]
-        L, B, _, _, D = cache.slot_shape()
+    def __init__(self, config: CompressionConfig, cache: Cache, n_heads: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor, store: KVStore | None = None):
+        B = cache.length.shape[0]
+        self.store = store
+        self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, None if store is None else store.row(b)) for b in range(B)]
+        L, _, _, _, D = cache.slot_shape()
         self.step_queries = step_queries(L, B, n_heads, D, cache.device)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes
+
+    def decode_views(self, layers: list) -> list[QueryTap]:
+        return decode_views(layers, self.store, self.step_queries)
+
+    def after_decode(self, positions: torch.Tensor) -> None:
+        self.record(self.step_queries, positions)
 
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""
@@ -262,3 +347,17 @@ class PerRowManagers:
             total.compaction_s += manager.stats.compaction_s
             total.refresh_s += manager.stats.refresh_s
         return total
+
+
+def new_store(model: ModelConfig, batch: int, compression: CompressionConfig, model_dtype: torch.dtype, device: torch.device) -> KVStore | None:
+    """The store a compression config asks for (--kv-store), or None."""
+    if not compression.store_slots:
+        return None
+    return KVStore.allocate(model, batch, compression.store_slots, compression.store_dtype, model_dtype, compression.recall_pages, device)
+
+
+def decode_views(layers: list, store: KVStore | None, queries: torch.Tensor) -> list[QueryTap]:
+    """The layers' views recalling from the store, if any, each writing its queries into queries[layer] [B, H, 1, D]."""
+    if store is not None:
+        layers = store.views(layers)
+    return [QueryTap(layer, tap) for layer, tap in zip(layers, queries)]

@@ -84,7 +84,7 @@ class Conversation:
         position = 0 if restart else int(cache.position[0])
         # Without a KV policy every token stays; with one, compaction makes room once the turn's
         # first step is taken, so only the prompt and that step must fit now.
-        room = cache.n_slots - held - n_new if self.session.manager is None else max_new_tokens
+        room = cache.n_slots - held - n_new if self.session.policy is None else max_new_tokens
         allowed = min(max_new_tokens, room, self.max_positions - position - n_new)
         if held + n_new + 1 > cache.n_slots or allowed < 1:
             limit = "the model's position limit" if self.max_positions - position - n_new < 1 else f"the cache's {cache.n_slots} slots"

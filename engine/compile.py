@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 
 from engine.cpu import inductor_options
-from models.kv_layers import LayerKV, slots_read
-from models.transformer import BlockGroups, Transformer, run_blocks
+from engine.decode import StepState
+from models.parallel import RankTransformer
+from models.transformer import BlockGroups, LayerKV, Transformer, run_blocks
 
 BLOCKS_PER_GROUP = 6  # the most blocks one compiled call runs
 
@@ -50,7 +51,7 @@ def group_structures(structures: list[tuple], size: int) -> set[tuple]:
 def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
     """The model's blocks as compiled groups, for `model(..., groups=...)`, and whether one graph
     serves every group (CompiledStep)."""
-    compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, model.parallel is not None))
+    compiled = torch.compile(run_blocks, fullgraph=True, options=inductor_options(model.device, isinstance(model, RankTransformer)))
     structures = [block_structure(block) for block in model.layers]
     size = group_size(structures)
     marked = False
@@ -92,5 +93,17 @@ def mark_slots_dynamic(mask: torch.Tensor | None, kvs: list[LayerKV]) -> None:
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, 3)  # [B, 1, T, S]
     for kv in kvs:
-        for tensor, dim in slots_read(kv):
+        for tensor, dim in kv.slots_read():
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+class Compiled:
+    """The runner whose step runs compiled groups of blocks, reading only the slots in use."""
+
+    builds = True
+    whole_cache = False
+    graph = False
+
+    def build(self, model: Transformer, step: Callable[..., object], state: StepState, advanced: list[torch.Tensor]) -> CompiledStep:
+        state.blocks, one_graph = compile_blocks(model)
+        return CompiledStep(step, unguarded=one_graph)

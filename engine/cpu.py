@@ -16,14 +16,12 @@ def inductor_options(device: torch.device, tensor_parallel: bool) -> dict[str, o
     kernels without Python in between; under tensor parallelism it stays Python, because
     cpp_wrapper cannot call the collectives (torch 2.13).
 
-    The generated code's vector width is that of torch's own kernels. Inductor follows
-    ATEN_CPU_CAPABILITY by itself, but its on-disk cache does not key on it: code compiled under
-    the AVX-512 kernels was reused under AVX2 and emitted wrong tokens. A width given as an option
-    is part of the cache key.
+    The generated code's vector width is that of torch's own kernels, given as an option because
+    inductor's on-disk cache keys on its options but not on ATEN_CPU_CAPABILITY (docs/performance.md).
 
     On every device the compiled step rounds where eager rounds (emulate_precision_casts): a
     quantized KV cache's float16 step and minimum are rounded before the codes are computed
-    from them, and a fused kernel that skipped the rounding gave other codes than eager."""
+    from them, so that a fused kernel computes eager's codes."""
     options: dict[str, object] = {"emulate_precision_casts": True}
     if device.type != "cpu":
         return options

@@ -6,8 +6,13 @@ token. Compaction between replays rewrites the same buffers in place, which keep
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+from engine.compile import compile_blocks
+from engine.decode import StepState
+from models.transformer import Transformer
 
 
 def capture_decode_step(step: Callable[[], object], state: list[torch.Tensor]) -> Callable[[], None]:
@@ -30,3 +35,19 @@ def capture_decode_step(step: Callable[[], object], state: list[torch.Tensor]) -
     with torch.cuda.graph(graph):  # recording does not run the kernels: the state is untouched
         step()
     return graph.replay
+
+
+@dataclass(frozen=True)
+class Graph:
+    """The runner that captures the step (its blocks compiled first, with `compile`) as a CUDA
+    graph and replays it: one shape, the whole cache read, no branch on a host value."""
+
+    compile: bool = False
+    builds = True
+    whole_cache = True
+    graph = True
+
+    def build(self, model: Transformer, step: Callable[..., object], state: StepState, advanced: list[torch.Tensor]) -> Callable[[], None]:
+        if self.compile:
+            state.blocks = compile_blocks(model)[0]
+        return capture_decode_step(step, advanced)

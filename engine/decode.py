@@ -5,31 +5,74 @@ the conversation so far, for a chat turn), rows right-padded to the longest; the
 each row to its own real tokens, so padding never changes a result. The decode step reads the
 row lengths from the device and, called without a read bound, has the same shapes on every
 call, so it can be compiled (fullgraph) and captured as a CUDA graph.
+
+Both take the cache as any cache kind (kv/: `cache: KVCache` stands for all of them, which share
+its verbs) and, optionally, a KV policy (KVPolicy): an object that wraps the layers' views to keep
+what it scores with, and is told when tokens have entered the cache.
 """
 
-from functools import partial
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from compression.manager import CompressionManager, PerRowManagers
-from engine.kv_cache import KVCache
-from engine.paged_cache import PagedKVCache
 from engine.sampling import RowSampling, SamplingConfig, sample
-from models.kv_layers import CacheRead, tapped
-from models.transformer import BlockGroups, Transformer
+from kv.cache import KVCache
+from models.transformer import BlockGroups, CacheRead, LayerKV, Transformer
 
 
-def prefill(
-    model: Transformer,
-    cache: KVCache | PagedKVCache,
-    prompts: list[list[int]],
-    all_logits: bool = False,
-    compression: CompressionManager | None = None,
-) -> torch.Tensor:
+class KVPolicy(Protocol):
+    """What the engine asks of a KV policy (compression/manager.py's CompressionManager)."""
+
+    def prefill_views(self, layers: list[LayerKV], prompt_lengths: torch.Tensor, fresh: bool) -> list[LayerKV]:
+        """A prefill's views of the layers (fresh: into an empty cache)."""
+
+    def prefilled(self, n_new: list[int], fresh: bool) -> None:
+        """After a prefill, the counters advanced."""
+
+    def decode_views(self, layers: list[LayerKV]) -> list[LayerKV]:
+        """A decode step's views of the layers."""
+
+    def after_decode(self, positions: torch.Tensor) -> None:
+        """Inside the decode step, after the forward; positions [B] of the tokens fed."""
+
+    def after_step(self) -> bool:
+        """Between steps; whether the cache was compacted (its lengths shrank)."""
+
+    def step_state(self) -> list[torch.Tensor]:
+        """The tensors after_decode overwrites."""
+
+    def reset(self) -> None: ...
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds beside the cache that counts as KV memory (a store)."""
+
+    @property
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class StepState:
+    """What a decode step reads and advances besides the cache: the same tensors for a whole
+    session, so that a compiled step or a CUDA graph keeps pointing at them."""
+
+    tokens: torch.Tensor  # [B] int64 the tokens to feed; overwritten with the next ones
+    finished: torch.Tensor  # [B] bool, updated in place
+    eos: torch.Tensor  # [E] int64
+    sampling: SamplingConfig | RowSampling
+    seen: torch.Tensor | None = None  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
+    blocks: BlockGroups | None = None  # how the blocks run: compiled groups (engine/compile.py), None eager
+
+    def advanced(self) -> list[torch.Tensor]:
+        """The tensors the step overwrites."""
+        return [self.tokens, self.finished] + ([] if self.seen is None else [self.seen])
+
+
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], all_logits: bool = False, policy: KVPolicy | None = None) -> torch.Tensor:
     """Append the prompts to each row's cache: slots length..length+len-1, positions
     position..position+len-1. Logits [B, V] at each prompt's last token, or [B, T, V] at every
-    position with all_logits. Into an empty cache the prompts become the protected prefix and
-    seed the compression manager, if any; after it, the manager counts them as generated."""
+    position with all_logits. Into an empty cache the prompts become the protected prefix."""
     device = cache.length.device
     B, T = len(prompts), max(len(p) for p in prompts)
     tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
@@ -49,41 +92,20 @@ def prefill(
     # Only the first max(held) + T slots can hold anything yet: attend over that view of the cache.
     layers = cache.layers(max(held) + T)
     fresh = max(held) == 0
-    tails = []  # a chat turn: each layer's last queries [B, H, <=n_recent, D], for the recent ring
-
-    def keep_tail(queries: torch.Tensor) -> None:
-        tails.append(queries[:, :, -compression.config.n_recent :].clone())  # a copy: a slice would pin the layer's q/k/v
-
-    if compression is not None:  # the KV policy takes each layer's queries as it finishes: no layer's outlive it
-        taps = [partial(compression.seed_layer, layer, prompt_lengths=lengths) for layer in range(len(layers))] if fresh else [keep_tail] * len(layers)
-        layers = tapped(layers, taps)
+    if policy is not None:
+        layers = policy.prefill_views(layers, lengths, fresh)
     logits = model(tokens, positions, CacheRead(layers, write_slots, mask), logit_index=None if all_logits else lengths - 1)
-    if tails:
-        compression.append(torch.stack(tails), [len(p) for p in prompts])
     if fresh:
         cache.prompt_length.copy_(lengths)
     cache.length += lengths
     cache.position += lengths
-    if fresh and compression is not None:
-        compression.compress_prompt()
+    if policy is not None:
+        policy.prefilled([len(p) for p in prompts], fresh)
     return logits
 
 
-def decode_step(
-    model: Transformer,
-    cache: KVCache | PagedKVCache,
-    tokens: torch.Tensor,  # [B] the tokens to feed; overwritten with the next ones
-    finished: torch.Tensor,  # [B] bool, updated in place
-    eos_ids: torch.Tensor,  # [E] int64
-    sampling: SamplingConfig | RowSampling,
-    compression: CompressionManager | PerRowManagers | None = None,
-    n_read: int | None = None,
-    seen: torch.Tensor | None = None,  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
-    groups: BlockGroups | None = None,  # the compiled blocks (engine/compile.py); None: eager
-) -> torch.Tensor:
+def decode_step(model: Transformer, cache: KVCache, state: StepState, policy: KVPolicy | None = None, n_read: int | None = None) -> torch.Tensor:
     """Feed one token per row, sample the next, advance the counters; returns the logits [B, V].
-    Each layer writes its queries into the compression manager's static buffer, if there is one,
-    which then records them.
 
     n_read: attend over the first n_read slots only, a bound the host knows (every row's length
     + 1 must fit); None reads the whole buffer, the one static shape a compiled step or a CUDA
@@ -92,32 +114,19 @@ def decode_step(
     slot_ids = cache.slot_ids if n_read is None else cache.slot_ids[:n_read]
     mask = (slot_ids[None, :] <= slots)[:, None, None, :]  # [B, 1, 1, S] slots in use + the new one
     layers = cache.layers(n_read)
-    if compression is not None:
-        layers = tapped(layers, list(compression.step_queries))  # [B, H, 1, D] each
-    logits = model(tokens[:, None], cache.position[:, None], CacheRead(layers, slots, mask), groups=groups)
-    if compression is not None:
-        compression.record(compression.step_queries, cache.position)
+    if policy is not None:
+        layers = policy.decode_views(layers)
+    logits = model(state.tokens[:, None], cache.position[:, None], CacheRead(layers, slots, mask), groups=state.blocks)
+    if policy is not None:
+        policy.after_decode(cache.position)
     logits = logits[:, 0]  # [B, V]
-    if seen is not None:
-        seen.scatter_(1, tokens[:, None], True)
+    if state.seen is not None:
+        state.seen.scatter_(1, state.tokens[:, None], True)
     cache.length += 1
     cache.position += 1  # now the position the sampled token takes, which seeded draws count by
     # A finished row keeps running (shapes are static), feeding its last token again: a real
     # token id, which EOS is not when a model has none (its stand-in, -1, is no embedding row).
-    next_tokens = torch.where(finished, tokens, sample(logits, sampling, seen, cache.position))
-    finished |= torch.isin(next_tokens, eos_ids)
-    tokens.copy_(next_tokens)
+    next_tokens = torch.where(state.finished, state.tokens, sample(logits, state.sampling, state.seen, cache.position))
+    state.finished |= torch.isin(next_tokens, state.eos)
+    state.tokens.copy_(next_tokens)
     return logits
-
-
-def advanced_by_step(
-    cache: KVCache | PagedKVCache, tokens: torch.Tensor, finished: torch.Tensor, seen: torch.Tensor | None, compression: CompressionManager | PerRowManagers | None
-) -> list[torch.Tensor]:
-    """The small tensors decode_step advances in place, beside the K/V it writes: whoever runs the
-    step for another purpose (a CUDA graph's warm-up) must put these back afterwards."""
-    state = [cache.length, cache.position, tokens, finished]
-    if seen is not None:
-        state.append(seen)
-    if compression is not None:
-        state += compression.step_state()
-    return state

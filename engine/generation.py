@@ -1,29 +1,24 @@
 """The generation loop: one cache, one prefill, then one decode step per token.
 
-A Session holds what lives on the device for a whole run: the cache, the compression manager,
-and the few tensors the decode step reads and advances. `generate` runs a batch of prompts
-through one session; a chat runs every turn through the same one, each turn appended to it.
+A Session holds what lives on the device for a whole run: the cache, the few tensors the decode
+step reads and advances, and what it was handed: a cache of any kind (kv/), a runner that builds
+the step (eager here; compiled, engine/compile.py; a CUDA graph, engine/cuda_graph.py) and a KV
+policy, if any (compression/manager.py). `generate` runs a batch of prompts through one session
+on the plain cache; a chat runs every turn through the same session, each turn appended to it.
 """
 
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from compression.config import CompressionConfig
-from compression.manager import CompressionManager, CompressionStats, PerRowManagers
-from engine.compile import CompiledStep, compile_blocks
-from engine.cuda_graph import capture_decode_step
-from engine.decode import advanced_by_step, decode_step, prefill
-from engine.kv_cache import KVCache
-from engine.kv_store import KVStore
-from engine.paged_cache import PageConfig, PagedKVCache
+from engine.decode import KVPolicy, StepState, decode_step, prefill
 from engine.sampling import RowSampling, SamplingConfig, sample, seen_tokens
 from errors import UserError
-from models.kv_quant import kv_storage
+from kv.cache import KVCache
 from models.transformer import Transformer
 
 # The one callback of a generation, after a prefill and after every step, with the sequences that
@@ -57,7 +52,7 @@ class GenerationResult:
     decode_steps: int
     kv_cache_bytes: int  # allocated
     kv_peak_bytes: int  # held at the peak: all of it in the contiguous cache, the most blocks in use in the paged one
-    compression: CompressionStats | None = None
+    compression: Any = None  # the KV policy's stats (compression.manager.CompressionStats), if one ran
     setup_s: float = 0.0  # of decode_s, the first step's, which built the step: compiled the blocks or captured a CUDA graph (0 when eager)
 
     @property
@@ -85,83 +80,86 @@ def check_lengths(model: Transformer, prompts: list[list[int]], max_new_tokens: 
         )
 
 
+class Runner(Protocol):
+    """How a session's decode step runs, chosen once: Eager below, engine/compile.py's Compiled,
+    engine/cuda_graph.py's Graph."""
+
+    builds: bool  # its first step builds the step (a compile, a capture), timed apart
+    whole_cache: bool  # every step reads the whole buffer (one shape), not only the slots in use
+    graph: bool  # a step replays recorded branches: per-row settings are read on the device alone
+
+    def build(self, model: Transformer, step: Callable[..., Any], state: StepState, advanced: list[torch.Tensor]) -> Callable[..., Any]:
+        """The callable step; `advanced` lists every tensor a step overwrites."""
+
+
+class Eager:
+    """The plain runner: the decode step as Python calls it, reading only the slots in use."""
+
+    builds = False  # its first step builds nothing (a compiled or captured runner's does, and is timed)
+    whole_cache = False  # a step may read fewer slots than the buffer holds
+    graph = False  # a step may take branches on host values
+
+    def build(self, model: Transformer, step: Callable[..., Any], state: StepState, advanced: list[torch.Tensor]) -> Callable[..., Any]:
+        """The callable step; `advanced` lists every tensor a step overwrites."""
+        return step
+
+
 class Session:
-    """One cache and the decode step bound to it, for `batch` rows of up to `n_slots` slots.
+    """One cache and the decode step bound to it, one row per sequence.
 
     Every row starts with one prefill and runs to the end (a chat appends each turn with another
     prefill); rows that join and leave between steps are engine/scheduler.py's ContinuousSession."""
 
     def __init__(
-        self,
-        model: Transformer,
-        batch: int,
-        n_slots: int,
-        *,
-        eos_ids: frozenset[int],
-        sampling: SamplingConfig | RowSampling = SamplingConfig(),
-        compression: CompressionConfig = CompressionConfig(),
-        compile: bool = False,
-        cuda_graph: bool = False,
-        pages: PageConfig | None = None,
-        kv_dtype: str = "auto",
+        self, model: Transformer, cache: KVCache, *, eos_ids: frozenset[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
+        policy: KVPolicy | None = None, runner: Runner = Eager(),
     ):
-        """sampling: one config for every row, or each row's own (RowSampling, which rows may change
-        between steps). kv_dtype: how the cache stores keys and values (models/kv_quant.py: kv_storage)."""
-        device = model.device
-        if cuda_graph and device.type != "cuda":
-            raise UserError("CUDA graphs need the model on a CUDA device; drop --cuda-graph or use --device cuda")
-        self.model = model
-        self.sampling = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, batch, device)
-        self.cache: KVCache | PagedKVCache
-        dtype, bits = kv_storage(kv_dtype, model.dtype)
-        if pages is None:
-            self.cache = KVCache.allocate(model.config, batch, n_slots, dtype, device, bits=bits)
-        else:
-            self.cache = PagedKVCache.allocate(model.config, batch, n_slots, dtype, device, pages, bits=bits)
-        self.cache.store = KVStore.for_compression(model.config, batch, compression, model.dtype, device)
-        self.manager: CompressionManager | PerRowManagers | None = None
-        if compression.enabled:
-            self.manager = self._new_manager(compression)
-        self.eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
-        # What the decode step reads and overwrites: the same tensors for the whole session, so
-        # that a compiled step or a CUDA graph keeps pointing at them.
-        self.tokens = torch.zeros(batch, dtype=torch.int64, device=device)  # [B] the next tokens to feed
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
-        self.seen = None  # [B, V] bool, the tokens the repetition penalty applies to
-        if self.sampling.penalises_repetition:
-            self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
-        self.compile, self.cuda_graph = compile, cuda_graph
+        """cache: any cache kind, allocated for the rows. sampling: one config for every row, or each
+        row's own (RowSampling, which rows may change between steps). policy: a KV policy
+        (compression.manager), or None. runner: how the step runs (Eager, or engine/compile.py's,
+        engine/cuda_graph.py's)."""
+        batch, device = cache.length.shape[0], model.device
+        self.model, self.cache, self.policy, self.runner = model, cache, policy, runner
+        sampling = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, batch, device)
+        seen = None  # [B, V] bool, the tokens the repetition penalty applies to
+        if sampling.penalises_repetition:
+            seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=device)
+        self.state = StepState(
+            torch.zeros(batch, dtype=torch.int64, device=device),  # the next tokens to feed
+            torch.zeros(batch, dtype=torch.bool, device=device),
+            torch.tensor(sorted(eos_ids) or [-1], device=device),
+            sampling,
+            seen,
+        )
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self.setup_s = 0.0  # the first step's time, when it compiled the blocks or captured a CUDA graph
 
-    def _new_manager(self, compression: CompressionConfig) -> CompressionManager | PerRowManagers:
-        model = self.model
-        return CompressionManager(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-
     def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""
-        self._reserve([held + len(p) for held, p in zip(self.lengths, prompts)])
-        self._prefill(slice(None), self.cache, prompts, self.manager)
+        self._fit([held + len(p) for held, p in zip(self.lengths, prompts)])
+        self._prefill(slice(None), self.cache, prompts, self.policy)
         first = self._sampled()  # the host sync that ends prefill
         self._lengths_changed()  # a KV policy may have compressed the prompts
         return first
 
-    def _prefill(self, rows: slice, cache: KVCache | PagedKVCache, prompts: list[list[int]], manager: CompressionManager | None) -> None:
+    def _prefill(self, rows: slice, cache: KVCache, prompts: list[list[int]], policy: KVPolicy | None) -> None:
         """Prefill the rows' prompts into `cache` (the session's, or one row's view of it) and sample each row's first token."""
-        seen = None if self.seen is None else self.seen[rows]
+        state = self.state
+        seen = None if state.seen is None else state.seen[rows]
         if seen is not None:
             seen |= seen_tokens(prompts, seen.shape[1], seen.device)
-        logits = prefill(self.model, cache, prompts, compression=manager)
+        logits = prefill(self.model, cache, prompts, policy=policy)
         self.last_logits = logits  # [B, V] at each prompt's last token
-        first = sample(logits, self.sampling[rows], seen, cache.position)  # [B]; the positions the first tokens take
-        self.tokens[rows] = first
-        self.finished[rows] = torch.isin(first, self.eos)
+        first = sample(logits, state.sampling[rows], seen, cache.position)  # [B]; the positions the first tokens take
+        state.tokens[rows] = first
+        state.finished[rows] = torch.isin(first, state.eos)
 
     def _sampled(self) -> Sampled:
-        both = torch.cat([self.tokens, self.finished.to(self.tokens.dtype)]).tolist()  # one read of both
-        batch = self.tokens.shape[0]
+        tokens, finished = self.state.tokens, self.state.finished
+        both = torch.cat([tokens, finished.to(tokens.dtype)]).tolist()  # one read of both
+        batch = tokens.shape[0]
         return Sampled(both[:batch], [bool(f) for f in both[batch:]])
 
     def step(self) -> Sampled:
@@ -170,20 +168,21 @@ class Session:
         if self._step is not None:
             return self._advance()
         start = time.perf_counter()
-        self._step = self._build_step()
+        advanced = [self.cache.length, self.cache.position, *self.state.advanced()] + ([] if self.policy is None else self.policy.step_state())
+        self._step = self.runner.build(self.model, partial(decode_step, self.model, self.cache, self.state, self.policy), self.state, advanced)
         sampled = self._advance()  # its read of the tokens waits for the device
-        if self.compile or self.cuda_graph:
+        if self.runner.builds:
             self.setup_s = time.perf_counter() - start
         return sampled
 
     def _advance(self) -> Sampled:
         grown = [n + 1 if running else 0 for n, running in zip(self.lengths, self.running())]
-        self._reserve(grown)
+        self._fit(grown)
         # The step attends over the slots that can be in use, a bound the host knows: eager any size
         # costs nothing, and the compiled blocks take it as a variable (engine/compile.py). A CUDA
         # graph reads the whole buffer: one shape, one capture. A compressed cache is small already,
         # and its lengths shrink on the device.
-        if not (self.cuda_graph or self.manager is not None):
+        if not (self.runner.whole_cache or self.policy is not None):
             self._step(n_read=max(self.lengths) + 1)
         else:
             self._step()
@@ -196,13 +195,13 @@ class Session:
         return [True] * len(self.lengths)
 
     def _after_step(self) -> None:
-        if self.manager is not None and self.manager.after_step():
+        if self.policy is not None and self.policy.after_step():
             self._lengths_changed()
 
-    def _reserve(self, n_slots: list[int]) -> None:
+    def _fit(self, n_slots: list[int]) -> None:
         """Make room for each row's next n_slots slots (a paged cache hands out blocks)."""
         for row, n in enumerate(n_slots):
-            self.cache.reserve(row, n)
+            self.cache.fit(row, n)
 
     def _lengths_changed(self) -> None:
         """After a compaction: read the rows' lengths back; a paged cache frees the emptied blocks at once."""
@@ -211,37 +210,37 @@ class Session:
 
     def _set_length(self, row: int, n_slots: int) -> None:
         self.lengths[row] = n_slots
-        self.cache.shrink(row, n_slots)
+        self.cache.fit(row, n_slots)
 
     def reset(self) -> None:
         """Empty the cache for a new conversation, keeping every buffer (and a captured graph)."""
         for counter in (self.cache.length, self.cache.position, self.cache.prompt_length):
             counter.zero_()
-        self.finished.zero_()
-        if self.seen is not None:
-            self.seen.zero_()
-        if self.manager is not None:
-            self.manager.reset()
+        self.state.finished.zero_()
+        if self.state.seen is not None:
+            self.state.seen.zero_()
+        if self.policy is not None:
+            self.policy.reset()
         self._lengths_changed()
 
     def stop_rows(self, rows: Iterable[int]) -> None:
         """From the host, between steps: these rows are done; the step feeds them their last token
         again from now on, and nothing reads what they emit."""
         for row in rows:
-            self.finished[row] = True
-
-    def _build_step(self) -> Callable[..., object]:
-        groups, one_graph = compile_blocks(self.model) if self.compile else (None, False)
-        advance = partial(decode_step, self.model, self.cache, self.tokens, self.finished, self.eos, self.sampling, self.manager, seen=self.seen, groups=groups)
-        if self.cuda_graph:
-            return capture_decode_step(advance, advanced_by_step(self.cache, self.tokens, self.finished, self.seen, self.manager))
-        if self.compile:
-            return CompiledStep(advance, unguarded=one_graph)
-        return advance
+            self.state.finished[row] = True
 
     @property
-    def stats(self) -> CompressionStats | None:
-        return self.manager.stats if self.manager is not None else None
+    def kv_bytes(self) -> int:
+        """The cache's bytes and what the policy holds beside it (a store)."""
+        return self.cache.nbytes + (0 if self.policy is None else self.policy.nbytes)
+
+    @property
+    def kv_peak_bytes(self) -> int:
+        return self.cache.peak_bytes + (0 if self.policy is None else self.policy.nbytes)
+
+    @property
+    def stats(self) -> Any:
+        return None if self.policy is None else self.policy.stats
 
 
 def decode(session: Session, first: Sampled, max_new_tokens: int, *, on_tokens: OnTokens | None = None) -> Decoded:
@@ -272,36 +271,8 @@ def decode(session: Session, first: Sampled, max_new_tokens: int, *, on_tokens: 
         steps += 1
 
 
-def generate(
-    model: Transformer,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    eos_ids: frozenset[int],
-    sampling: SamplingConfig = SamplingConfig(),
-    compile: bool = False,
-    on_tokens: OnTokens | None = None,
-    compression: CompressionConfig = CompressionConfig(),
-    cuda_graph: bool = False,
-    pages: PageConfig | None = None,
-    n_slots: int | None = None,
-    kv_dtype: str = "auto",
-) -> GenerationResult:
-    """Generate for a batch of prompts (any lengths). With a compression policy the cache holds
-    the prompt + budget_max + window slots only, and is compacted whenever it is full. With
-    pages, the cache is paged: each row holds only the blocks its own slots need. n_slots sizes
-    the cache's rows (default: what this run needs), so that runs of several sizes can share one
-    shape, hence one CUDA graph."""
-    check_lengths(model, prompts, max_new_tokens)
-    needed = compression.slots_needed(max(len(p) for p in prompts), max_new_tokens)
-    if n_slots is not None and n_slots < needed:
-        raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
-    n_slots = needed if n_slots is None else n_slots
-    session = Session(
-        model, len(prompts), n_slots, eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
-        kv_dtype=kv_dtype,
-    )
-
+def run(session: Session, prompts: list[list[int]], max_new_tokens: int, on_tokens: OnTokens | None = None) -> GenerationResult:
+    """Prefill the prompts (one per row of the session) and decode until every row has finished."""
     start = time.perf_counter()
     first = session.prefill(prompts)
     prefill_s = time.perf_counter() - start
@@ -309,7 +280,17 @@ def generate(
     start = time.perf_counter()
     decoded = decode(session, first, max_new_tokens, on_tokens=on_tokens)
     decode_s = time.perf_counter() - start
-    cache = session.cache
     return GenerationResult(
-        decoded.tokens, sum(map(len, prompts)), prefill_s, decode_s, decoded.steps, cache.nbytes, cache.peak_bytes, session.stats, session.setup_s,
+        decoded.tokens, sum(map(len, prompts)), prefill_s, decode_s, decoded.steps, session.kv_bytes, session.kv_peak_bytes, session.stats, session.setup_s,
     )
+
+
+def generate(
+    model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, eos_ids: frozenset[int], sampling: SamplingConfig = SamplingConfig(),
+    on_tokens: OnTokens | None = None,
+) -> GenerationResult:
+    """Generate for a batch of prompts (any lengths) on the plain cache, eager: each row holds its
+    prompt and max_new_tokens slots. engine/options.py's generate runs the same loop with features."""
+    check_lengths(model, prompts, max_new_tokens)
+    cache = KVCache.allocate(model.config, len(prompts), max(map(len, prompts)) + max_new_tokens, model.dtype, model.device)
+    return run(Session(model, cache, eos_ids=eos_ids, sampling=sampling), prompts, max_new_tokens, on_tokens)

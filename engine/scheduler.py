@@ -16,16 +16,16 @@ requests to a ContinuousBatch as they arrive and runs its steps in between (serv
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from compression.config import CompressionConfig
-from compression.manager import PerRowManagers
 from engine.generation import OnTokens, Session, check_lengths
-from engine.paged_cache import PageConfig, PagedKVCache
-from engine.sampling import SamplingConfig
+from engine.options import RunOptions, new_cache, new_policy, new_runner
+from engine.sampling import RowSampling, SamplingConfig
 from errors import UserError
+from kv.paged import PageConfig, PagedKVCache
 from models.transformer import Transformer
 
 class ContinuousSession(Session):
@@ -36,20 +36,23 @@ class ContinuousSession(Session):
 
     cache: PagedKVCache
 
-    def __init__(self, model: Transformer, batch: int, n_slots: int, *, pages: PageConfig, **options):
-        super().__init__(model, batch, n_slots, pages=pages, **options)
-        if self.seen is None:  # a request may join with a repetition penalty of its own (admit)
-            self.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
+    def __init__(
+        self, model: Transformer, batch: int, n_slots: int, options: RunOptions, *, eos_ids: frozenset[int], sampling: SamplingConfig | RowSampling = SamplingConfig()
+    ):
+        """options.pages: the pool (default: PageConfig())."""
+        options = options if options.pages is not None else replace(options, pages=PageConfig())
+        runner = new_runner(model, options)
+        cache = new_cache(model, batch, n_slots, options)
         # A request may join with settings of its own, and a CUDA graph replays the branches its
         # capture took: under one, the settings are read on the device alone.
-        self.sampling.static = self.cuda_graph
-        self.finished.fill_(True)
+        rows = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, batch, model.device)
+        rows.static = runner.graph
+        super().__init__(model, cache, eos_ids=eos_ids, sampling=rows, policy=new_policy(model, cache, options, per_row=True), runner=runner)
+        if self.state.seen is None:  # a request may join with a repetition penalty of its own (admit)
+            self.state.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
+        self.state.finished.fill_(True)
         self.joined = [False] * batch  # host: the rows holding a prompt
         self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none
-
-    def _new_manager(self, compression: CompressionConfig) -> PerRowManagers:
-        model = self.model
-        return PerRowManagers(compression, self.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
 
     def running(self) -> list[bool]:
         return list(self.joined)
@@ -59,14 +62,14 @@ class ContinuousSession(Session):
         on (None: the row's so far); returns its first token, and whether that ends it (EOS)."""
         assert not self.joined[row], "admit needs an idle row"
         if sampling is not None:
-            self.sampling.set_row(row, sampling, seed)
-        self.seen[row] = False  # an idle row's steps marked the tokens it fed
-        self.cache.reserve(row, len(prompt))
-        manager = None
-        if self.manager is not None:
-            manager = self.manager.rows[row]
-            manager.reset()
-        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt], manager)
+            self.state.sampling.set_row(row, sampling, seed)
+        self.state.seen[row] = False  # an idle row's steps marked the tokens it fed
+        self.cache.fit(row, len(prompt))
+        policy = None
+        if self.policy is not None:
+            policy = self.policy.rows[row]
+            policy.reset()
+        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt], policy)
         self.idle[row] = False
         self.joined[row] = True
         self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
@@ -76,7 +79,7 @@ class ContinuousSession(Session):
     def release(self, row: int) -> None:
         """Between steps: the row's prompt is done; its blocks go back to the pool."""
         self.cache.release(row)
-        self.finished[row] = True
+        self.state.finished[row] = True
         self.idle[row] = True
         self.joined[row] = False
         self.lengths[row] = 0
@@ -85,8 +88,8 @@ class ContinuousSession(Session):
         if not all(self.joined):  # an idle row's counters go back to zero; with none, nothing to do
             for counter in (self.cache.length, self.cache.position):
                 counter.masked_fill_(self.idle, 0)
-        if self.manager is not None:
-            for row, manager in enumerate(self.manager.rows):
+        if self.policy is not None:
+            for row, manager in enumerate(self.policy.rows):
                 if self.joined[row] and manager.after_step():
                     self._set_length(row, int(self.cache.length[row]))
 
@@ -121,25 +124,18 @@ def serve(
     *,
     eos_ids: frozenset[int],
     sampling: SamplingConfig = SamplingConfig(),
-    compression: CompressionConfig = CompressionConfig(),
-    pages: PageConfig = PageConfig(),
-    compile: bool = False,
-    cuda_graph: bool = False,
+    options: RunOptions = RunOptions(),
     on_tokens: OnTokens | None = None,
-    kv_dtype: str = "auto",
 ) -> BatchRun:
     """Answer every request, at most max_batch at once; on_tokens hears of each by its index.
-    pages.n_blocks sizes the pool (default: max_batch rows of the longest request's worst case,
-    the memory static batching would take)."""
+    options.pages.n_blocks sizes the pool (default: max_batch rows of the longest request's worst
+    case, the memory static batching would take)."""
     if max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {max_batch}")
     for request in requests:
         check_lengths(model, [request.prompt], request.max_new_tokens)
-    worst = max(compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests)  # slots a prompt may hold at once
-    session = ContinuousSession(
-        model, max_batch, worst, eos_ids=eos_ids, sampling=sampling, compression=compression, compile=compile, cuda_graph=cuda_graph, pages=pages,
-        kv_dtype=kv_dtype,
-    )
+    worst = max(options.compression.slots_needed(len(r.prompt), r.max_new_tokens) for r in requests)  # slots a prompt may hold at once
+    session = ContinuousSession(model, max_batch, worst, options, eos_ids=eos_ids, sampling=sampling)
     answers: list[list[int]] = [[] for _ in requests]
 
     def collect(news: dict[int, int | None]) -> Iterable[int] | None:
@@ -148,7 +144,7 @@ def serve(
                 answers[p].append(token)
         return on_tokens(news) if on_tokens is not None else None
 
-    batch = ContinuousBatch(session, compression, collect)
+    batch = ContinuousBatch(session, options.compression, collect)
     for p, request in enumerate(requests):
         batch.add(p, request)
     start = time.perf_counter()
@@ -156,8 +152,7 @@ def serve(
         batch.step()
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    cache = session.cache
-    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, cache.nbytes, cache.peak_bytes)
+    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, session.kv_bytes, session.kv_peak_bytes)
 
 
 class ContinuousBatch:
@@ -171,7 +166,7 @@ class ContinuousBatch:
         self.waiting: deque[Hashable] = deque()
         self.rows: list[Hashable | None] = [None] * len(session.lengths)  # the request each row holds
         self.produced: dict[Hashable, int] = {}  # tokens so far, per running request
-        self.pool_blocks = len(session.cache.free)  # the session starts with every row idle
+        self.pool_blocks = len(session.cache.blocks.free)  # the session starts with every row idle
         self.steps = self.most_rows = 0
 
     def blocks_needed(self, request: Request) -> int:
@@ -228,8 +223,8 @@ class ContinuousBatch:
     def claimable(self) -> int:
         """Free blocks that no running request may still claim."""
         cache = self.session.cache
-        owed = sum(self.blocks_needed(self.requests[key]) - len(cache.rows[row]) for row, key in enumerate(self.rows) if key is not None)
-        return len(cache.free) - owed
+        owed = sum(self.blocks_needed(self.requests[key]) - len(cache.blocks.rows[row]) for row, key in enumerate(self.rows) if key is not None)
+        return len(cache.blocks.free) - owed
 
     def step(self) -> None:
         """Waiting requests join the idle rows while the pool can hold them, then one decode step."""

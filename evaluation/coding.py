@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from cli import DTYPES
+from compression.manager import new_store
 from compression.config import CompressionConfig, with_variant
-from engine.generation import generate
-from engine.kv_cache import KVCache
-from engine.kv_store import KVStore
+from engine.options import RunOptions, generate
+from kv.cache import KVCache
 from engine.stop_strings import cut_at_stop
 from errors import UserError
 from evaluation.config import split_storage
@@ -31,9 +31,9 @@ from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
 from evaluation.saving import beacon_defaults, check_resumable, write_atomically
 from evaluation.tasks import chat_prompt
-from models.kv_quant import kv_storage
+from kv.quantized import contiguous_cache
 from models.transformer import Transformer
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 PUBLISHED_PASS_AT_1 = 0.616  # Qwen2.5-Coder-0.5B-Instruct on all 164 problems, its technical report
@@ -128,10 +128,7 @@ def run_cell(
     for first in range(0, len(problems), config.batch):
         rows = order[first : first + config.batch]
         tick = time.perf_counter()
-        result = generate(
-            model, [prompts[i] for i in rows], config.max_new_tokens, eos_ids=tokenizer.eos_ids, compression=compression,
-            on_tokens=stops_at_fence(tokenizer, len(rows)), kv_dtype=split_storage(policy)[1],
-        )  # fmt: skip
+        result = generate(model, [prompts[i] for i in rows], config.max_new_tokens, eos_ids=tokenizer.eos_ids, on_tokens=stops_at_fence(tokenizer, len(rows)), options=RunOptions(compression=compression, kv_dtype=split_storage(policy)[1]))  # fmt: skip
         seconds += time.perf_counter() - tick
         log(f"    {cell_key(policy, budget)}: problems {first + 1}-{first + len(rows)} of {len(problems)}, {result.decode_steps} steps, {time.perf_counter() - tick:.0f} s")
         for i, tokens in zip(rows, result.tokens):
@@ -147,10 +144,9 @@ def kv_share(model: Transformer, compression: CompressionConfig, kv_dtype: str, 
     the prompt, and what is generated up to a compaction's limit) and its store, over the bytes of
     their full caches in bf16 (prompt and answer)."""
     meta = torch.device("meta")
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
-    per_slot = KVCache.allocate(model.config, 1, 1, dtype, meta, bits=bits).nbytes
+    per_slot = contiguous_cache(model.config, 1, 1, kv_dtype, model.dtype, meta).nbytes
     bf16_per_slot = KVCache.allocate(model.config, 1, 1, torch.bfloat16, meta).nbytes
-    store = KVStore.for_compression(model.config, 1, compression, model.dtype, meta)
+    store = new_store(model.config, 1, compression, model.dtype, meta)
     limit = compression.slots_needed(0, max(new_tokens, default=0))  # generated slots a row holds at most
     held = sum(p + min(n, limit) for p, n in zip(prompt_lengths, new_tokens)) * per_slot + len(new_tokens) * (store.nbytes if store else 0)
     return held / (sum(prompt_lengths) + sum(new_tokens)) / bf16_per_slot

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from compression.config import CompressionConfig, with_variant
 from errors import UserError
-from models.kv_quant import KV_BITS, KV_DTYPES
+from kv.quantized import KV_BITS, KV_DTYPES
 
 TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
 

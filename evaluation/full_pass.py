@@ -17,7 +17,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
-from engine.kv_cache import KVCache
+from kv.cache import KVCache
 from errors import UserError
 from evaluation.runs import CPU, Run, State
 from evaluation.saving import write_atomically_with

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from compression.manager import QueryTap
 from engine.decode import prefill
-from engine.kv_cache import KVCache
+from kv.cache import KVCache
 from evaluation.runs import CPU, Compaction
 from models.rope import apply_rope
 from models.transformer import Transformer
@@ -27,7 +29,10 @@ class _QueryCatcher:
             self.queries = torch.empty(self.n_layers, *queries.shape, dtype=torch.float32)
         self.queries[layer] = queries
 
-    def compress_prompt(self) -> None:
+    def prefill_views(self, layers: list, prompt_lengths: torch.Tensor, fresh: bool) -> list[QueryTap]:
+        return [QueryTap(layer, partial(self.seed_layer, i, prompt_lengths=prompt_lengths)) for i, layer in enumerate(layers)]
+
+    def prefilled(self, n_new: list[int], fresh: bool) -> None:
         """The streams are kept whole."""
 
 
@@ -45,7 +50,7 @@ class FullAttention:
     def of(cls, model: Transformer, sequences: list[list[int]]) -> FullAttention:
         cache = KVCache.allocate(model.config, len(sequences), max(map(len, sequences)), model.dtype, CPU)
         catcher = _QueryCatcher(model.config.n_layers)
-        prefill(model, cache, sequences, compression=catcher)
+        prefill(model, cache, sequences, policy=catcher)
         return cls(catcher.queries, cache.k.float(), model.rope_cos, model.rope_sin, cache.length.clone())
 
     def probabilities(self, first: torch.Tensor, n_queries: int) -> torch.Tensor:

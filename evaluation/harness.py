@@ -20,7 +20,7 @@ from evaluation.metrics import Results, continuation, cost, retrieval, streaming
 from evaluation.runs import CPU, Batch, Run, full_cache_pass, log, recorder, run_all
 from evaluation.saving import beacon_defaults, check_resumable
 from evaluation.tasks import continuation_rows, reasoning_trace, text_rows
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 

@@ -9,7 +9,7 @@ windows of --window. Every window is one prefill that starts from an empty cache
 tokens after the first is predicted from those before it in the window. The perplexity is
 exp(mean negative log-likelihood) over all of them. With --gguf, llama.cpp (llama-cpp-python)
 scores the very same token ids in the same windows, so the two figures compare the weights alone.
-Each --kv-dtype scores them again with the cache stored that way (models/kv_quant.py): the
+Each --kv-dtype scores them again with the cache stored that way (kv/quantized.py): the
 window's attention reads its keys and values back from the codes, as a decode step would.
 """
 
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from cli import DTYPE_HELP, DTYPES, add_quant_args, checkpoint_and_quant, pick_dtype
 from engine.decode import prefill
-from engine.kv_cache import KVCache
 from errors import UserError, run_command
-from models.kv_quant import KV_BITS, KV_DTYPES, kv_storage
+from kv import KV_BITS, KV_DTYPES
+from kv.quantized import contiguous_cache
 from models.transformer import Transformer
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -49,8 +49,7 @@ def nll_of(logits: torch.Tensor, window: list[int]) -> list[float]:
 
 def engine_nll(model: Transformer, window: list[int], kv_dtype: str = "auto") -> list[float]:
     """nll_of the engine's logits: one prefill of the window into an empty cache stored as kv_dtype says."""
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
-    cache = KVCache.allocate(model.config, 1, len(window), dtype, CPU, bits=bits)
+    cache = contiguous_cache(model.config, 1, len(window), kv_dtype, model.dtype, CPU)
     with torch.inference_mode():
         return nll_of(prefill(model, cache, [window], all_logits=True)[0], window)  # logits [T, V]
 

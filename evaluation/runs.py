@@ -20,14 +20,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from compression.config import CompressionConfig
-from compression.manager import CompressionManager, CompressionStats
-from engine.decode import decode_step, prefill
-from engine.kv_cache import KVCache
-from engine.kv_store import KVStore
+from compression.manager import CompressionManager, CompressionStats, new_store
+from engine.decode import StepState, decode_step, prefill
+from kv.cache import KVCache
 from engine.sampling import SamplingConfig
 from evaluation.config import EvalConfig, split_storage
 from evaluation.tasks import Row
-from models.kv_quant import kv_storage
+from kv.quantized import contiguous_cache
 from models.transformer import Transformer
 
 CPU = torch.device("cpu")
@@ -95,11 +94,10 @@ class Run:
 def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int, kv_dtype: str = "auto") -> State:
     """Prefill the prompts into a fresh cache of n_slots slots stored as `kv_dtype`, with a manager for `compression`."""
     B = len(batch.rows)
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
-    cache = KVCache.allocate(model.config, B, n_slots, dtype, CPU, bits=bits)
-    cache.store = KVStore.for_compression(model.config, B, compression, model.dtype, CPU)
-    manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    logits = prefill(model, cache, batch.prompts, compression=manager).float()
+    cache = contiguous_cache(model.config, B, n_slots, kv_dtype, model.dtype, CPU)
+    store = new_store(model.config, B, compression, model.dtype, CPU)
+    manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin, store)
+    logits = prefill(model, cache, batch.prompts, policy=manager).float()
     predicted = torch.zeros(B, batch.length, dtype=torch.int64)
     predicted[:, 0] = logits.argmax(-1)
     logprob = torch.zeros(B, batch.length)
@@ -132,12 +130,12 @@ def resume(model: Transformer, snap: State, compression: CompressionConfig, leng
     """A policy picked up from a snapshot of the full cache taken before the policy's first compaction."""
     n_slots = compression.slots_needed(int(snap.cache.prompt_length.max()), length)
     cache = KVCache.allocate(model.config, snap.tokens.shape[0], n_slots, snap.cache.dtype, CPU)
-    cache.store = KVStore.for_compression(model.config, snap.tokens.shape[0], compression, snap.cache.dtype, CPU)
+    store = new_store(model.config, snap.tokens.shape[0], compression, snap.cache.dtype, CPU)
     cache.k.copy_(snap.cache.k[:, :, :, :n_slots])
     cache.v.copy_(snap.cache.v[:, :, :, :n_slots])
     for counter in ("length", "position", "prompt_length"):
         getattr(cache, counter).copy_(getattr(snap.cache, counter))
-    return _going_on(snap, cache, _copy_manager(snap.manager, compression, cache))
+    return _going_on(snap, cache, _copy_manager(snap.manager, compression, cache, store))
 
 
 def _going_on(state: State, cache: KVCache, manager: CompressionManager) -> State:
@@ -145,9 +143,9 @@ def _going_on(state: State, cache: KVCache, manager: CompressionManager) -> Stat
     return State(cache, manager, state.tokens.clone(), state.step, state.predicted.clone(), state.logprob.clone(), state.after_step_due)
 
 
-def _copy_manager(source: CompressionManager, compression: CompressionConfig, cache: KVCache) -> CompressionManager:
+def _copy_manager(source: CompressionManager, compression: CompressionConfig, cache: KVCache, store=None) -> CompressionManager:
     """A manager for `compression` in the state `source` is in."""
-    manager = CompressionManager(compression, cache, source.buffer.queries.shape[2], source.rope_cos, source.rope_sin)
+    manager = CompressionManager(compression, cache, source.buffer.queries.shape[2], source.rope_cos, source.rope_sin, store)
     manager.resume(source.snapshot())
     return manager
 
@@ -196,7 +194,7 @@ def advance(
         t = state.step  # this step feeds token t of each stream and predicts token t + 1
         tick = time.perf_counter()
         state.tokens.copy_(torch.where(batch.free, state.tokens, batch.forced[:, t]))  # teacher forcing
-        logits = decode_step(model, state.cache, state.tokens, finished, no_eos, greedy, state.manager)
+        logits = decode_step(model, state.cache, StepState(state.tokens, finished, no_eos, greedy), state.manager)
         seconds += time.perf_counter() - tick
         state.step += 1
         state.after_step_due = True
@@ -264,7 +262,7 @@ def run_all(
             state = resume(model, snapshots[first], compression, batch.length)
         seconds, _, compactions = advance(model, state, batch, kept_every=kept_every, label=f"{policy} budget={budget}")
         m = state.manager
-        run = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes, m.buffer.queries.nbytes)
+        run = Run(policy, budget, state.predicted, state.logprob, compactions, n_steps - first, seconds, m.stats, state.cache.nbytes + m.nbytes, m.buffer.queries.nbytes)
         if spec == "none":
             once[policy] = run
         on_run(run)

@@ -15,9 +15,11 @@ Each rank holds about 1/N of every layer (Megatron's split, as gpt-fast and vLLM
 Norms and RoPE are replicated. Every rank ends a step with the same logits, so each samples the
 same token with the same seed: no broadcast is needed.
 
-A rank's model is the same Transformer, built from `shard_config`: the model's config with the
-rank's heads and MLP width. The KV cache and the KV policies read their sizes from it, so they
-hold and compress only the rank's own KV heads.
+A rank's model is the same Transformer, built from `shard_config` (the model's config with the
+rank's heads and MLP width) by `rank_model`, which puts in the vocabulary's split and hooks the
+sums onto the layers' outputs from outside: the model itself knows nothing of ranks. The KV cache
+and the KV policies read their sizes from its config, so they hold and compress only the rank's
+own KV heads.
 """
 
 import os
@@ -26,18 +28,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from errors import UserError
 from models.config import ModelConfig
+from models.linear import Linear
+from models.transformer import Transformer
 
-# How long a collective waits for the other ranks before it fails: long enough for the slowest
-# rank's first torch.compile, short enough that a dead or stuck rank ends the run.
-DEFAULT_TIMEOUT_S = 600
 
 # The functional collectives' own ops, each waited at once; torch.compile traces them into its
 # graphs. Not their wrappers (torch.distributed._functional_collectives), which keep the process
-# group alive after it is destroyed: gloo's threads then outlive the run, and one still freeing a
-# tensor as the interpreter exits aborts the rank (SIGABRT, "terminate called without an active exception").
+# group alive after it is destroyed, so that gloo's threads outlive the run (docs/tensor-parallel.md).
 COLLECTIVES = torch.ops._c10d_functional
 
 
@@ -57,12 +58,7 @@ class TensorParallel:
         return self.block(vocab_size)
 
 
-def launched_ranks() -> int:
-    """How many ranks the launcher started (torchrun sets WORLD_SIZE); 1 without a launcher."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def start(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[TensorParallel, torch.device]:
+def start(device: torch.device, timeout_s: float) -> tuple[TensorParallel, torch.device]:
     """Join the ranks torchrun started: gloo between CPU processes, NCCL between GPUs, one GPU per
     rank (its LOCAL_RANK). Returns this rank's place and its device."""
     if not dist.is_available():
@@ -88,8 +84,8 @@ def start(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[T
 
 
 def stop(parallel: TensorParallel, finished: bool) -> None:
-    """Leave the ranks. After a run that finished, wait for every rank first: a rank that tore its
-    process group down while another's last collective was in flight was once aborted (SIGABRT)."""
+    """Leave the ranks. After a run that finished, wait for every rank first, so that no rank tears
+    its process group down while another's last collective is in flight (docs/tensor-parallel.md)."""
     if finished:
         try:
             dist.barrier(group=parallel.group)
@@ -138,8 +134,8 @@ def reduce_sum(x: torch.Tensor, parallel: TensorParallel | None) -> torch.Tensor
     """The sum of every rank's x (partial products of a row-split layer); x itself on one rank."""
     if parallel is None:
         return x
-    # gloo: its 16-bit sum measured slower than float32's (docs/tensor-parallel.md), and some versions have none;
-    # summed in float32, the result is rounded once on the way back.
+    # gloo sums in float32 (docs/tensor-parallel.md: its 16-bit sum is slower, or missing); the
+    # result is rounded once on the way back.
     widened = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
     summed = COLLECTIVES.all_reduce(x.float() if widened else x, "sum", parallel.group.group_name)
     return COLLECTIVES.wait_tensor(summed).to(x.dtype)
@@ -152,3 +148,45 @@ def gather_vocab(logits: torch.Tensor, parallel: TensorParallel | None) -> torch
     parts = logits.movedim(-1, 0).contiguous()  # [V/N, ...]
     gathered = COLLECTIVES.all_gather_into_tensor(parts, parallel.world, parallel.group.group_name)  # [V, ...]
     return COLLECTIVES.wait_tensor(gathered).movedim(0, -1)
+
+
+class VocabPartEmbedding(nn.Embedding):
+    """A rank's block of the embedding table's rows. Each rank looks up the tokens it holds and
+    contributes zeros for the others: the sum over ranks is every token's row, exactly."""
+
+    def __init__(self, first: int, rows: int, dim: int, parallel: TensorParallel):
+        super().__init__(rows, dim, _weight=torch.empty(rows, dim))
+        self.first, self.parallel = first, parallel
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, C]
+        held = (tokens >= self.first) & (tokens < self.first + self.num_embeddings)  # [B, T]
+        rows = super().forward(torch.where(held, tokens - self.first, 0))  # [B, T, C]
+        return reduce_sum(rows * held.unsqueeze(-1).to(rows.dtype), self.parallel)
+
+
+class VocabPartHead(Linear):
+    """A rank's block of the LM head's rows; the logits of every rank, gathered in vocabulary order."""
+
+    def __init__(self, dim: int, rows: int, parallel: TensorParallel):
+        super().__init__(dim, rows, bias=False)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(super().forward(x), self.parallel)
+
+
+class RankTransformer(Transformer):
+    """This rank's part of the model of `config` (the whole model's): its config is the part's
+    (shard_config), the vocabulary whole. The row-split layers' partial outputs (o_proj and
+    down_proj) are summed over the ranks by hooks on the attention and the MLP."""
+
+    def __init__(self, config: ModelConfig, parallel: TensorParallel):
+        part = shard_config(config, parallel)
+        super().__init__(part)
+        self.parallel = parallel
+        first, end = parallel.vocab_rows(part.vocab_size)
+        self.embed = VocabPartEmbedding(first, end - first, part.hidden_size, parallel)
+        self.lm_head = VocabPartHead(part.hidden_size, end - first, parallel)
+        for block in self.layers:
+            for summed in (block.attn, block.mlp):
+                summed.register_forward_hook(lambda module, inputs, out: reduce_sum(out, parallel))

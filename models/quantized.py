@@ -21,9 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from errors import UserError
-
-QUANT_MODES = ("none", "int8", "int4")
-GROUP_SIZES = (32, 64, 128)
+from models import GROUP_SIZES
 INT4_ROWS_MULTIPLE = 16  # torch's int4 packing takes output sizes that are multiples of 16
 INT4_K_TILE = 16  # torch's CUDA int4 layout cuts K into tiles of 16 inputs...
 CUDA_INT4_INNER_K_TILES = (8, 4, 2)  # ...packed 8, 4 or 2 tiles together; K must be a multiple of the packing

@@ -17,13 +17,15 @@ import torch
 import torch.distributed as dist
 
 from compression.config import CompressionConfig
-from engine.generation import generate
-from engine.paged_cache import PageConfig
+from engine.options import RunOptions, generate
+from kv.paged import PageConfig
 from engine.sampling import SamplingConfig
 from engine.scheduler import Request, serve
 from models import parallel
 from models.parallel import TensorParallel, kv_head_place
-from weights.loader import load_model, read_config
+from weights.forms import load_model
+from weights.sharding import load_rank
+from weights.loader import read_config
 
 PROMPTS = ((1, 5, 9, 33, 7) * 6, (4, 8, 15, 16, 23, 42, 99) * 5, (3, 17))
 
@@ -48,7 +50,8 @@ def run_case(case: Case, tp: TensorParallel | None, device: torch.device | None 
     """The case's tokens per prompt, on this rank's part of the model (tp, on the rank's device) or
     on the whole of it (None)."""
     torch.manual_seed(0)
-    model = load_model(Path(case.checkpoint), getattr(torch, case.dtype), device or torch.device(case.device), parallel=tp)
+    checkpoint, dtype, device = Path(case.checkpoint), getattr(torch, case.dtype), device or torch.device(case.device)
+    model = load_model(checkpoint, dtype, device) if tp is None else load_rank(checkpoint, dtype, device, tp)
     half = case.budget // 2
     kv_heads = kv_head_place(read_config(Path(case.checkpoint)), tp)
     compression = CompressionConfig() if case.policy == "none" else CompressionConfig(policy=case.policy, budget=case.budget, hysteresis=half, window=half, kv_heads=kv_heads)
@@ -57,11 +60,9 @@ def run_case(case: Case, tp: TensorParallel | None, device: torch.device | None 
     with torch.inference_mode():
         if case.continuous:
             requests = [Request(prompt, case.new_tokens) for prompt in prompts]
-            return serve(model, requests, 2, eos_ids=frozenset(), sampling=sampling, compression=compression, pages=PageConfig(4), compile=case.compile, cuda_graph=case.cuda_graph).tokens
+            return serve(model, requests, 2, eos_ids=frozenset(), sampling=sampling, options=RunOptions(compression=compression, pages=PageConfig(4), compile=case.compile, cuda_graph=case.cuda_graph)).tokens
         pages = PageConfig(4) if case.paged else None
-        return generate(
-            model, prompts, case.new_tokens, eos_ids=frozenset(), sampling=sampling, compile=case.compile, compression=compression, cuda_graph=case.cuda_graph, pages=pages
-        ).tokens
+        return generate(model, prompts, case.new_tokens, eos_ids=frozenset(), sampling=sampling, options=RunOptions(compile=case.compile, compression=compression, cuda_graph=case.cuda_graph, pages=pages)).tokens
 
 
 def main(cases_file: str, out_file: str) -> None:

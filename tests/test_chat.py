@@ -12,9 +12,9 @@ import torch
 from compression.config import CompressionConfig
 from engine.chat import Conversation
 from engine.decode import prefill
-from engine.generation import Session, generate
-from engine.kv_cache import KVCache
-from weights.loader import load_model
+from engine.options import RunOptions, generate, open_session
+from kv.cache import KVCache
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ MESSAGES = ["Tell me about the fox.", "And the dog?", "Which one is faster?"]
 def test_each_turn_equals_one_prefill_of_the_whole_conversation(chat_checkpoint):
     model = load_model(chat_checkpoint, torch.float32, CPU)
     tokenizer = Tokenizer.from_dir(chat_checkpoint)
-    conversation = Conversation(Session(model, 1, 512, eos_ids=tokenizer.eos_ids), tokenizer, "Be brief.", 512)
+    conversation = Conversation(open_session(model, 1, 512, RunOptions(), eos_ids=tokenizer.eos_ids), tokenizer, "Be brief.", 512)
     for message in MESSAGES:
         held = len(conversation.fed)
         turn = conversation.turn(message, 12)
@@ -45,7 +45,7 @@ def test_an_answer_cut_inside_a_character_goes_on_without_a_restart(chat_checkpo
     model = load_model(chat_checkpoint, torch.float32, CPU)
     tokenizer = Tokenizer.from_dir(chat_checkpoint)
     for n in range(2, 40):
-        conversation = Conversation(Session(model, 1, 512, eos_ids=frozenset()), tokenizer, None, 512)
+        conversation = Conversation(open_session(model, 1, 512, RunOptions(), eos_ids=frozenset()), tokenizer, None, 512)
         answer = conversation.turn(MESSAGES[0], n).answer
         if not tokenizer.decode(answer).startswith(tokenizer.decode(answer[:-1])):
             break
@@ -64,7 +64,7 @@ def test_a_kv_policy_keeps_a_long_conversation_in_its_cache(chat_checkpoint):
     model = load_model(chat_checkpoint, torch.float32, CPU)
     tokenizer = Tokenizer.from_dir(chat_checkpoint)
     policy = CompressionConfig(policy="beacon", budget=16, hysteresis=8, window=4, n_beacon=4, n_recent=4)
-    session = Session(model, 1, 160, eos_ids=tokenizer.eos_ids, compression=policy)
+    session = open_session(model, 1, 160, RunOptions(compression=policy), eos_ids=tokenizer.eos_ids)
     conversation = Conversation(session, tokenizer, None, 512)
     for i in range(8):
         conversation.turn(f"{MESSAGES[i % 3]} Number {i}.", 16)

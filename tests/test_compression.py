@@ -7,20 +7,21 @@ import pytest
 import torch
 
 from cli import add_compression_args, compression_config
-from compression.compaction import compact_in_place
+from kv.compaction import compact_in_place
 from compression.config import POLICIES, CompressionConfig
 from compression.fps import farthest_point_sampling
 from compression.manager import CompressionManager
 from compression.policies import SCORERS
 from compression.scoring import aggregate, attention_logits
-from engine.decode import decode_step, prefill
-from engine.generation import Session, generate
-from engine.kv_cache import KVCache
+from engine.decode import StepState, decode_step, prefill
+from engine.options import RunOptions, generate, open_session
+from kv.cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
-from models.kv_layers import CacheRead, tapped
+from compression.manager import QueryTap
+from models.transformer import CacheRead
 from models.rope import apply_rope
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 SCORERS_BEFORE = dict(SCORERS)  # the real scorers, for tests that wrap one
@@ -121,11 +122,11 @@ def teacher_forced_run(model, config, prompts, continuation, check_each_step=Non
     """Prefill, then feed the continuation token by token through the decode step."""
     cache = KVCache.allocate(model.config, len(prompts), config.slots_needed(max(map(len, prompts)), len(continuation)), torch.float32, CPU)
     manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin) if config.enabled else None
-    prefill(model, cache, prompts, compression=manager)
+    prefill(model, cache, prompts, policy=manager)
     tokens, finished, eos = torch.zeros(len(prompts), dtype=torch.int64), torch.zeros(len(prompts), dtype=torch.bool), torch.tensor([-1])
     for token in continuation:
         tokens.fill_(token)
-        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        decode_step(model, cache, StepState(tokens, finished, eos, SamplingConfig()), manager)
         if manager is not None:
             compactions = manager.stats.compactions
             manager.after_step()
@@ -178,8 +179,8 @@ def test_rows_of_a_batch_are_compressed_independently(policy, tiny_checkpoint):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (4, 13, 9)]
     config = CompressionConfig(policy=policy, budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6)
-    batch = generate(model, prompts, 60, eos_ids=frozenset(), compression=config).tokens
-    alone = [generate(model, [p], 60, eos_ids=frozenset(), compression=config).tokens[0] for p in prompts]
+    batch = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(compression=config)).tokens
+    alone = [generate(model, [p], 60, eos_ids=frozenset(), options=RunOptions(compression=config)).tokens[0] for p in prompts]
     assert batch == alone
 
 
@@ -188,7 +189,7 @@ def test_a_budget_larger_than_the_generation_gives_the_full_cache_tokens(tiny_ch
     prompts = [[3, 4, 5, 6], [7, 8]]
     full = generate(model, prompts, 40, eos_ids=frozenset()).tokens
     config = CompressionConfig(policy="beacon", budget=64, window=4)
-    result = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
+    result = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config))
     assert result.tokens == full and result.compression.compactions == 0
 
 
@@ -198,8 +199,8 @@ def test_compiled_step_with_query_recording_equals_eager(policy, tiny_checkpoint
     model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
     prompts = [[3, 9, 27, 81], [5, 25, 125]]
     config = CompressionConfig(policy=policy, budget=10, hysteresis=4, window=3, n_beacon=3, n_recent=5)
-    eager = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
-    compiled = generate(model, prompts, 40, eos_ids=frozenset(), compression=config, compile=True)
+    eager = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config))
+    compiled = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config, compile=True))
     assert compiled.tokens == eager.tokens and compiled.compression.compactions == eager.compression.compactions > 0
 
 
@@ -261,17 +262,17 @@ def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint, 
     """The cache (its codes and scales when quantized), the store of demoted slots, and every tensor
     the manager keeps: the same storages and the same bytes after the first compaction and after
     many more (the store's ring wraps several times), so a long run's memory cannot grow with its tokens."""
-    from engine.generation import Session
-    from models.kv_quant import kv_parts
+    from engine.options import RunOptions, open_session
+    from kv.quantized import kv_parts
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, torch.device("cpu"))
     config = CompressionConfig(policy="beacon", budget=12, hysteresis=6, window=4, n_beacon=4, n_recent=6, store_slots=store_slots, recall_pages=1)
-    session = Session(model, 2, config.slots_needed(9, 10_000), eos_ids=frozenset(), compression=config, kv_dtype=kv_dtype)
+    session = open_session(model, 2, config.slots_needed(9, 10_000), RunOptions(compression=config, kv_dtype=kv_dtype), eos_ids=frozenset())
     session.prefill([[5] * 9, [7] * 6])
 
     def held() -> dict[str, tuple[int, int]]:
-        manager = session.manager
-        owners = {"cache": session.cache, "store": session.cache.store, "manager": manager, "buffer": manager.buffer, "positions": manager.positions}
+        manager = session.policy
+        owners = {"cache": session.cache, "store": session.policy.store, "manager": manager, "buffer": manager.buffer, "positions": manager.positions}
         tensors = {
             f"{owner}.{k}.{i}": t
             for owner, o in owners.items()
@@ -290,8 +291,8 @@ def test_compaction_holds_the_same_memory_however_long_the_run(tiny_checkpoint, 
         session.step()
     assert held() == after_first
     if store_slots:
-        assert bool(session.cache.store.filled.all())
-    assert session.manager.generated <= config.budget_max + config.window
+        assert bool(session.policy.store.filled.all())
+    assert session.policy.generated <= config.budget_max + config.window
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "beacon"])
@@ -310,7 +311,7 @@ def test_recent_queries_are_scored_where_they_were_issued_and_as_many_for_every_
     monkeypatch.setattr(CompressionManager, "_compact", lambda self: (recorded_before.append(len(recorded)), compact(self))[1])
     monkeypatch.setitem(SCORERS, policy, lambda x: (scored.append(x.recent.clone()), scorer(x))[1])
     prompt_len = 9
-    generate(model, [[5 + i for i in range(prompt_len)]], 30, eos_ids=frozenset(), compression=config)
+    generate(model, [[5 + i for i in range(prompt_len)]], 30, eos_ids=frozenset(), options=RunOptions(compression=config))
 
     n = recorded_before[0]  # the queries recorded before the first compaction, one per decode step
     assert n > config.n_recent
@@ -405,12 +406,12 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
     """The attention each slot received, summed inside the decode step over the steps and a
     group's heads, equals the sum of the softmax attention of every decoded query, recomputed
     from one prefill of the whole sequence."""
-    from engine.generation import Session
+    from engine.options import RunOptions, open_session
     from models.rope import apply_rope
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy="h2o", budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
-    session = Session(model, 1, 64, eos_ids=frozenset(), compression=config)
+    session = open_session(model, 1, 64, RunOptions(compression=config), eos_ids=frozenset())
     prompt = [5 + 3 * i for i in range(9)]
     fed = [session.prefill([prompt]).tokens[0]]
     for _ in range(20):
@@ -421,7 +422,7 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    layers = tapped(cache.layers(None), [collected.append] * model.config.n_layers)
+    layers = [QueryTap(layer, collected.append) for layer in cache.layers(None)]
     model(torch.tensor([sequence]), positions, CacheRead(layers, positions, None))
     queries = torch.stack(collected)  # [L, 1, H, T, D]
     L, _, H, _, D = queries.shape
@@ -433,25 +434,25 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
             for h in range(H):
                 keys = cache.k[layer, 0, h // (H // H_kv), : t + 1]  # [t + 1, D]
                 expected[layer, h // (H // H_kv), : t + 1] += (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
-    got = session.manager.received[:, 0, :, :n]
+    got = session.policy.received[:, 0, :, :n]
     assert torch.allclose(got, expected, atol=1e-4)
 
 
 def test_h2o_counts_nothing_yet_for_the_tokens_a_chat_turn_appends(tiny_checkpoint):
     """After a compaction the slots past the kept ones still hold evicted tokens' sums: a turn's
     tokens written there start from zero, since no decoded query has read them."""
-    from engine.generation import Session
+    from engine.options import RunOptions, open_session
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy="h2o", budget=8, hysteresis=4, window=4)
-    session = Session(model, 1, 64, eos_ids=frozenset(), compression=config)
+    session = open_session(model, 1, 64, RunOptions(compression=config), eos_ids=frozenset())
     session.prefill([[5, 9, 13, 17]])
     while session.stats.compactions < 1:
         session.step()
     held = int(session.cache.length[0])
-    assert session.manager.received[:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
+    assert session.policy.received[:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
     session.prefill([[21, 25, 29, 33, 37, 41]])
-    assert session.manager.received[:, 0, :, held : held + 6].abs().sum() == 0
+    assert session.policy.received[:, 0, :, held : held + 6].abs().sum() == 0
 
 
 def queries_of(model, sequence: list[int]) -> torch.Tensor:
@@ -460,7 +461,7 @@ def queries_of(model, sequence: list[int]) -> torch.Tensor:
     cache = KVCache.allocate(model.config, 1, n, torch.float32, CPU)
     positions = torch.arange(n)[None]
     collected = []
-    layers = tapped(cache.layers(None), [collected.append] * model.config.n_layers)
+    layers = [QueryTap(layer, collected.append) for layer in cache.layers(None)]
     model(torch.tensor([sequence]), positions, CacheRead(layers, positions, None))
     return torch.stack(collected)
 
@@ -474,7 +475,7 @@ def test_seeding_layer_by_layer_picks_the_farthest_prompt_queries_of_each_layer(
     config = CompressionConfig(policy="beacon", budget=16, n_beacon=5, n_recent=4)
     cache = KVCache.allocate(model.config, 2, 40, torch.float32, CPU)
     manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    prefill(model, cache, prompts, compression=manager)
+    prefill(model, cache, prompts, policy=manager)
     for row, prompt in enumerate(prompts):
         queries = queries_of(model, prompt)[:, 0]  # [L, H, T, D]
         picks = farthest_point_sampling(queries, 5)  # [L, H, 5]
@@ -491,8 +492,8 @@ def test_a_chat_turn_puts_its_last_queries_in_the_recent_ring(turn_length, tiny_
     config = CompressionConfig(policy="snapkv", budget=16, window=4, n_recent=5)
     cache = KVCache.allocate(model.config, 1, 40, torch.float32, CPU)
     manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    prefill(model, cache, [first], compression=manager)
-    prefill(model, cache, [turn], compression=manager)
+    prefill(model, cache, [first], policy=manager)
+    prefill(model, cache, [turn], policy=manager)
     kept = min(turn_length, 5)
     recent, issued_at = manager.buffer.recent()
     expected = queries_of(model, first + turn)[:, :, :, -kept:]
@@ -507,11 +508,11 @@ def test_no_layer_queries_outlive_their_layer_in_prefill(policy, turn, tiny_chec
     policy used to keep every layer's ([L, B, H, T, D], many times a long prompt's KV cache)."""
     import weakref
 
-    from engine.generation import Session
+    from engine.options import RunOptions, open_session
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(policy=policy, budget=32, window=4, n_beacon=4, n_recent=4)
-    session = Session(model, 1, 120, eos_ids=frozenset(), compression=config)
+    session = open_session(model, 1, 120, RunOptions(compression=config), eos_ids=frozenset())
     if turn == "chat":
         session.prefill([[5, 9, 13, 17, 21]])
     first_queries, alive_after_the_layers = [], []
@@ -544,7 +545,7 @@ def test_a_lazy_refresh_runs_once_per_compaction(tiny_checkpoint):
     prompts = [[5 + i for i in range(7)]]
     for lazy in (False, True):
         config = CompressionConfig(policy="beacon", budget=8, hysteresis=12, window=3, n_beacon=3, n_recent=4, lazy_refresh=lazy)
-        stats = generate(model, prompts, 60, eos_ids=frozenset(), compression=config).compression
+        stats = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(compression=config)).compression
         assert len(stats.refresh_s) == (stats.compactions if lazy else 59 // 4)
 
 
@@ -565,7 +566,7 @@ def test_a_long_prompt_keeps_its_sinks_its_tail_and_its_best_scored_middle(tiny_
     full = KVCache.allocate(model.config, 2, 31, torch.float32, CPU)
     prefill(model, full, prompts)
     manager = CompressionManager(config, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    prefill(model, cache, prompts, compression=manager)
+    prefill(model, cache, prompts, policy=manager)
     assert cache.prompt_length.tolist() == cache.length.tolist() == [PREFIX_SINKS + 6 + 5, 14] and cache.position.tolist() == [31, 14]
     assert len(scored) == model.config.n_layers  # row 0's layers only
     reference = queries_of(model, prompts[0])[:, :, :, -4:]  # the prompt's last 4 queries, pre-RoPE
@@ -583,7 +584,7 @@ def test_a_long_prompt_keeps_its_sinks_its_tail_and_its_best_scored_middle(tiny_
     prefix = cache.k[:, :, :, :15].clone()
     tokens, finished, eos = torch.tensor([3, 4]), torch.zeros(2, dtype=torch.bool), torch.tensor([-1])
     for _ in range(40):
-        decode_step(model, cache, tokens, finished, eos, SamplingConfig(), manager)
+        decode_step(model, cache, StepState(tokens, finished, eos, SamplingConfig()), manager)
         manager.after_step()
     assert manager.stats.compactions > 0 and torch.equal(cache.k[:, 0, :, :15], prefix[:, 0]) and torch.equal(cache.k[:, 1, :, :14], prefix[:, 1, :, :14])
     with pytest.raises(UserError, match="--kv-prefix-budget needs a policy that scores a prompt"):
@@ -596,12 +597,12 @@ def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_chec
     the ring alone at the same offsets, H2O the attention sums too."""
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     recorder = CompressionConfig(policy="beacon", budget=64, window=4, n_beacon=4, n_recent=6)
-    session = Session(model, 2, recorder.slots_needed(9, 40), eos_ids=frozenset(), compression=recorder)
-    session.manager.track_received_attention()
+    session = open_session(model, 2, recorder.slots_needed(9, 40), RunOptions(compression=recorder), eos_ids=frozenset())
+    session.policy.track_received_attention()
     session.prefill([[5] * 9, [7] * 6])
     for _ in range(9):
         session.step()
-    source = session.manager
+    source = session.policy
     saved = source.snapshot()
     for policy, beacons in (("beacon", 4), ("h2o", 0), ("streaming", 0)):
         config = CompressionConfig(policy=policy, budget=64, window=4, n_beacon=4, n_recent=6)

@@ -17,21 +17,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli
+import cli_features
 import engine.generation
-import models.flash_attention as flash_attention
-import models.kv_layers
+import kv.flash as flash_attention
 from cuda_kernel_rules import RULES, failed_checks
-from engine.decode import decode_step, prefill
-from engine.generation import Session
-from engine.kv_cache import KVCache
-from engine.paged_cache import PageConfig, PagedKVCache
+from engine.decode import StepState, decode_step, prefill
+from kv.paged import PageConfig, PagedKVCache
 from engine.sampling import RowSampling, SamplingConfig, sample
 from errors import UserError
 from models.config import ModelConfig
-from models.kv_quant import kv_storage
+from kv.quantized import contiguous_cache, kv_storage
 from models.quantized import Int4Linear, QuantizedWeight, cuda_int4_inner_k_tiles, quantized_linear
 from models.transformer import Transformer
-from weights.loader import load_model, read_config
+from weights.forms import load_model
+from weights.sharding import load_rank
+from weights.loader import read_config
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # named only, never touched: the checks below run before any tensor goes there
@@ -145,14 +145,14 @@ def flash_on_cpu(monkeypatch):
     monkeypatch.setattr(flash_attention, "kernel", torch.compiler.disable(flash_attn_reference))
     monkeypatch.setattr(flash_attention, "flash_attn", types.SimpleNamespace(__version__="2.8.3"))
     why_not = flash_attention.why_not_flash
-    monkeypatch.setattr(models.kv_layers, "why_not_flash", lambda device, *rest: why_not(CUDA, *rest))
+    monkeypatch.setattr(flash_attention, "why_not_flash", lambda device, *rest: why_not(CUDA, *rest))
 
 
 def teacher_forced_logits(model, cache, prompts, steps: torch.Tensor, groups=None) -> torch.Tensor:
     prefill(model, cache, prompts)
     batch = len(prompts)
     finished, eos = torch.zeros(batch, dtype=torch.bool), torch.tensor([-1])
-    return torch.stack([decode_step(model, cache, fed.clone(), finished, eos, SamplingConfig(), groups=groups) for fed in steps]).float()
+    return torch.stack([decode_step(model, cache, StepState(fed.clone(), finished, eos, SamplingConfig(), blocks=groups)) for fed in steps]).float()
 
 
 def prompts_of(lengths, seed=0) -> list[list[int]]:
@@ -169,10 +169,10 @@ def test_the_flash_decode_call_computes_the_sdpa_attention(paged, tiny_checkpoin
 
     def cache():
         if not paged:
-            return KVCache.allocate(model.config, 3, 512, torch.bfloat16, CPU)
+            return flash_attention.FlashKVCache.allocate(model.config, 3, 512, torch.bfloat16, CPU)
         pool = PagedKVCache.allocate(model.config, 3, 512, torch.bfloat16, CPU, PageConfig(block_size=256))
         for row, prompt in enumerate(prompts):
-            pool.reserve(row, len(prompt) + len(steps))
+            pool.fit(row, len(prompt) + len(steps))
         return pool
 
     with_sdpa = teacher_forced_logits(model, cache(), prompts, steps)
@@ -180,7 +180,7 @@ def test_the_flash_decode_call_computes_the_sdpa_attention(paged, tiny_checkpoin
     monkeypatch.setattr(flash_attention, "kernel", lambda *a, **k: taken.append(1) or flash_attn_reference(*a, **k))
     monkeypatch.setattr(flash_attention, "flash_attn", types.SimpleNamespace(__version__="2.8.3"))
     why_not = flash_attention.why_not_flash
-    monkeypatch.setattr(models.kv_layers, "why_not_flash", lambda device, *rest: why_not(CUDA, *rest))
+    monkeypatch.setattr(flash_attention, "why_not_flash", lambda device, *rest: why_not(CUDA, *rest))
     with_flash = teacher_forced_logits(model, cache(), prompts, steps)
     assert len(taken) == len(steps) * model.config.n_layers
     assert (with_flash - with_sdpa).abs().max().item() <= 2e-2 * with_sdpa.abs().max().item()
@@ -193,9 +193,9 @@ def test_a_compiled_step_traces_the_flash_decode_call(tiny_checkpoint, flash_on_
 
     model = load_model(tiny_checkpoint("qwen3")[0], torch.bfloat16, CPU)
     prompts, steps = prompts_of([9, 30, 17], seed=2), torch.tensor(prompts_of([6, 6, 6], seed=3)).T
-    eager = teacher_forced_logits(model, KVCache.allocate(model.config, 3, 64, torch.bfloat16, CPU), prompts, steps)
+    eager = teacher_forced_logits(model, flash_attention.FlashKVCache.allocate(model.config, 3, 64, torch.bfloat16, CPU), prompts, steps)
     groups, _ = compile_blocks(model)
-    compiled = teacher_forced_logits(model, KVCache.allocate(model.config, 3, 64, torch.bfloat16, CPU), prompts, steps, groups)
+    compiled = teacher_forced_logits(model, flash_attention.FlashKVCache.allocate(model.config, 3, 64, torch.bfloat16, CPU), prompts, steps, groups)
     assert (compiled - eager).abs().max().item() <= 2e-2 * eager.abs().max().item()
 
 
@@ -255,7 +255,7 @@ def test_a_missing_or_broken_flash_attn_is_named_as_such(package, reason, tmp_pa
         (tmp_path / "flash_attn").mkdir()
         (tmp_path / "flash_attn" / "__init__.py").write_text(package + "\n")
         setup = f"import sys; sys.path.insert(0, {str(tmp_path)!r})"
-    code = f"{setup}; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); import models.flash_attention as f; print(f.MISSING)"
+    code = f"{setup}; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); import kv.flash as f; print(f.MISSING)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == reason
@@ -263,14 +263,14 @@ def test_a_missing_or_broken_flash_attn_is_named_as_such(package, reason, tmp_pa
 
 def test_the_scripts_name_the_attention_path_on_cuda_and_why(tiny_checkpoint, monkeypatch):
     config = read_config(tiny_checkpoint("llama")[0])
-    assert cli.attention_line(CPU, torch.bfloat16, config, "auto", None, 0) is None
+    assert cli_features.attention_line(CPU, torch.bfloat16, config, "auto", None, 0) is None
     monkeypatch.setattr(flash_attention, "kernel", None)
-    assert "SDPA, not flash-attn: flash-attn" in cli.attention_line(CUDA, torch.bfloat16, config, "auto", None, 0)
+    assert "SDPA, not flash-attn: flash-attn" in cli_features.attention_line(CUDA, torch.bfloat16, config, "auto", None, 0)
     monkeypatch.setattr(flash_attention, "kernel", flash_attn_reference)
     monkeypatch.setattr(flash_attention, "flash_attn", types.SimpleNamespace(__version__="2.8.3"))
-    assert cli.attention_line(CUDA, torch.bfloat16, config, "auto", PageConfig(256), 0) == "attention: flash-attn in decode steps through the block table, SDPA in prefill"
-    assert "int8/int4 codes" in cli.attention_line(CUDA, torch.bfloat16, config, "k8v4", None, 0)
-    assert "--kv-store" in cli.attention_line(CUDA, torch.bfloat16, config, "auto", None, 64)
+    assert cli_features.attention_line(CUDA, torch.bfloat16, config, "auto", PageConfig(256), 0) == "attention: flash-attn in decode steps through the block table, SDPA in prefill"
+    assert "int8/int4 codes" in cli_features.attention_line(CUDA, torch.bfloat16, config, "k8v4", None, 0)
+    assert "--kv-store" in cli_features.attention_line(CUDA, torch.bfloat16, config, "auto", None, 64)
 
 
 def flash_calls(config: ModelConfig, model_dtype: torch.dtype, kv_dtype: str, block: int | None) -> KernelCalls:
@@ -278,7 +278,7 @@ def flash_calls(config: ModelConfig, model_dtype: torch.dtype, kv_dtype: str, bl
     cache_dtype, bits = kv_storage(kv_dtype, model_dtype)
     with fake_device() as recorded:
         if block is None:
-            layer = KVCache.allocate(config, 2, 512, cache_dtype, META, bits=bits).layers(None)[0]
+            layer = contiguous_cache(config, 2, 512, kv_dtype, model_dtype, META).layers(None)[0]
             table = None
         else:
             cache = PagedKVCache.allocate(config, 2, 512, cache_dtype, META, PageConfig(block), bits=bits)
@@ -341,10 +341,13 @@ def test_the_first_step_which_captures_the_graph_is_timed_apart(tiny_checkpoint,
         time.sleep(0.2)
         return step
 
-    monkeypatch.setattr(engine.generation, "capture_decode_step", capture)
+    import engine.cuda_graph
+    from kv.cache import KVCache
+
+    monkeypatch.setattr(engine.cuda_graph, "capture_decode_step", capture)
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    session = Session(model, 1, 32, eos_ids=frozenset())
-    session.cuda_graph = True
+    cache = KVCache.allocate(model.config, 1, 32, torch.float32, CPU)
+    session = engine.generation.Session(model, cache, eos_ids=frozenset(), runner=engine.cuda_graph.Graph())
     session.prefill([[5, 6, 7]])
     assert session.setup_s == 0.0
     session.step()
@@ -375,10 +378,10 @@ def test_a_quantized_checkpoint_under_torchrun_is_refused_without_naming_a_flag_
 
     saved = save_quantized(tiny_checkpoint("llama")[0], tmp_path / "q8", "int8")
     with pytest.raises(UserError) as refused:
-        load_model(saved, torch.float32, CPU, parallel=TensorParallel(0, 2, None))
+        load_rank(saved, torch.float32, CPU, TensorParallel(0, 2, None))
     assert "stored quantized" in str(refused.value) and "--quant" not in str(refused.value)
     with pytest.raises(UserError, match="drop --quant int8"):
-        load_model(tiny_checkpoint("llama")[0], torch.float32, CPU, quant="int8", parallel=TensorParallel(0, 2, None))
+        load_rank(tiny_checkpoint("llama")[0], torch.float32, CPU, TensorParallel(0, 2, None), quant="int8")
 
 
 # --- every CLI combination for both packaged models: the tables of docs/gpu.md -----------------

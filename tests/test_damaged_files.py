@@ -24,7 +24,7 @@ from errors import UserError
 from test_gguf import write_gguf
 from tiny_tokenizer import write_tiny_tokenizer
 from weights.gguf import import_gguf
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")

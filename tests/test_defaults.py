@@ -12,7 +12,7 @@ import torch
 import cli
 import generate
 from models.quantized import Int4Linear
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def test_a_long_run_compiles_by_default_and_says_so(chat_checkpoint, capsys, tmp
     prompts.write_text("hello\nand goodbye\n")  # 2 prompts x 300 tokens: 600 >= 512
     code = generate.main(["--checkpoint", str(chat_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "300", "--ignore-eos", "--temperature", "0"])
     notice, summary = capsys.readouterr().err.splitlines()
-    assert code == 0 and notice == generate.COMPILE_NOTICE and "| new tokens: 600 |" in summary and "| compile: " in summary
+    assert code == 0 and notice == cli.COMPILE_NOTICE and "| new tokens: 600 |" in summary and "| compile: " in summary
 
 
 @pytest.mark.real
@@ -125,7 +125,7 @@ def test_an_eager_run_never_imports_the_compiler(tiny_checkpoint):
     (the embedding's random init, on the meta device, imported it before the model had its weights)."""
     folder = tiny_checkpoint("llama")[0]
     script = (
-        "import sys, torch; from pathlib import Path; from weights.loader import load_model; from engine.generation import generate\n"
+        "import sys, torch; from pathlib import Path; from weights.forms import load_model; from engine.generation import generate\n"
         f"model = load_model(Path({str(folder)!r}), torch.float32, torch.device('cpu'))\n"
         "with torch.inference_mode(): generate(model, [[5, 6, 7]], 4, eos_ids=frozenset())\n"
         "print('torch._dynamo' in sys.modules)\n"

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from engine.generation import generate
+from engine.options import RunOptions, generate
 from engine.sampling import SamplingConfig
 from errors import UserError
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 
@@ -44,7 +44,7 @@ def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("qwen3")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19, 3], seed=2)
     eager = generate(model, prompts, 16, eos_ids=frozenset()).tokens
-    compiled = generate(model, prompts, 16, eos_ids=frozenset(), compile=True).tokens
+    compiled = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens
     assert compiled == eager
 
 
@@ -63,7 +63,7 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
     eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
     torch._dynamo.reset()
     counters.clear()
-    assert generate(model, prompts, 12, eos_ids=frozenset(), compile=True).tokens == eager
+    assert generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -101,7 +101,7 @@ def test_layers_of_two_structures_compile_to_a_graph_each_and_give_the_eager_tok
     prompts = prompts_of([9, 4], seed=6)
     eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
     torch._dynamo.reset()
-    assert generate(model, prompts, 12, eos_ids=frozenset(), compile=True).tokens == eager
+    assert generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
 
 
 def test_runs_of_different_lengths_share_one_compiled_step(tiny_checkpoint):
@@ -111,7 +111,7 @@ def test_runs_of_different_lengths_share_one_compiled_step(tiny_checkpoint):
     torch._dynamo.reset()
     counters.clear()
     for prompts, new_tokens in ((prompts_of([7], seed=7), 10), (prompts_of([30], seed=8), 25)):
-        result = generate(model, prompts, new_tokens, eos_ids=frozenset(), compile=True)
+        result = generate(model, prompts, new_tokens, eos_ids=frozenset(), options=RunOptions(compile=True))
         assert result.tokens == generate(model, prompts, new_tokens, eos_ids=frozenset()).tokens
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -123,7 +123,7 @@ def test_compiled_step_stays_right_across_workloads_in_one_process(tiny_checkpoi
     workloads = [(prompts_of([7, 19, 3], seed=4), 12), (prompts_of([11], seed=5), 30), (prompts_of([7, 19, 3], seed=4), 12)]
     for prompts, new_tokens in workloads:
         eager = generate(model, prompts, new_tokens, eos_ids=frozenset()).tokens
-        assert generate(model, prompts, new_tokens, eos_ids=frozenset(), compile=True).tokens == eager
+        assert generate(model, prompts, new_tokens, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
 
 
 def test_seeded_sampling_reproduces_and_differs_across_seeds(tiny_checkpoint):
@@ -156,7 +156,7 @@ def test_prompt_plus_new_tokens_beyond_the_model_maximum_is_refused(tiny_checkpo
 def test_cuda_graph_on_a_cpu_model_is_refused(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     with pytest.raises(UserError, match="CUDA graphs need the model on a CUDA device"):
-        generate(model, [[3, 4]], 4, eos_ids=frozenset(), cuda_graph=True)
+        generate(model, [[3, 4]], 4, eos_ids=frozenset(), options=RunOptions(cuda_graph=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,8 +164,8 @@ def test_reading_only_the_slots_in_use_gives_the_logits_of_the_whole_buffer(dtyp
     """The eager loop attends over a bounded view of the cache; the compiled step over the whole
     buffer. Both runs are fed the same tokens (teacher forcing): in bfloat16 the two reads round
     differently on some CPUs, and runs that each decode greedily part at the first near-tie."""
-    from engine.decode import decode_step, prefill
-    from engine.kv_cache import KVCache
+    from engine.decode import StepState, decode_step, prefill
+    from kv.cache import KVCache
 
     model = load_model(tiny_checkpoint("qwen2")[0], dtype, CPU)
     prompts = prompts_of([9, 4, 14], seed=2)
@@ -178,7 +178,7 @@ def test_reading_only_the_slots_in_use_gives_the_logits_of_the_whole_buffer(dtyp
         logits = []
         for step, fed in enumerate(forced):
             bound = 14 + step + 1 if n_read == "bounded" else None
-            logits.append(decode_step(model, cache, fed.clone(), finished, eos, SamplingConfig(), n_read=bound))
+            logits.append(decode_step(model, cache, StepState(fed.clone(), finished, eos, SamplingConfig()), n_read=bound))
         runs[n_read] = torch.stack(logits).float()
     # float32: the same sums in another blocking; bfloat16: a few units in the last place of logits ~8.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -191,8 +191,8 @@ import sys, torch
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from tests.test_engine import prompts_of
-from engine.generation import generate
-from weights.loader import load_model
+from engine.options import RunOptions, generate
+from weights.forms import load_model
 model = load_model(Path(sys.argv[3]), torch.float32, torch.device("cpu"))
 prompts = prompts_of([7, 19, 3], seed=2)
 with torch.inference_mode():
@@ -228,5 +228,5 @@ def test_compiled_step_with_a_repetition_penalty_equals_eager(tiny_checkpoint):
     prompts = prompts_of([7, 12], seed=6)
     penalty = SamplingConfig(repetition_penalty=1.8)
     eager = generate(model, prompts, 16, eos_ids=frozenset(), sampling=penalty).tokens
-    assert generate(model, prompts, 16, eos_ids=frozenset(), sampling=penalty, compile=True).tokens == eager
+    assert generate(model, prompts, 16, eos_ids=frozenset(), sampling=penalty, options=RunOptions(compile=True)).tokens == eager
     assert eager != generate(model, prompts, 16, eos_ids=frozenset()).tokens

@@ -21,10 +21,10 @@ from evaluation.runs import Batch, Compaction, full_cache_pass, recorder, run_al
 from evaluation.saving import sole_writer
 from evaluation.tasks import DISTANCE_BUCKETS, Row, reasoning_trace
 from engine.decode import prefill
-from engine.generation import generate
-from engine.kv_cache import KVCache
+from engine.options import RunOptions, generate
+from kv.cache import KVCache
 from tiny_tokenizer import write_tiny_tokenizer
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -116,7 +116,7 @@ def test_a_free_row_decodes_as_generate_does(tiny_folder, tiny_model, policy):
     config = small_config(tiny_folder)
     compression = recorder(config, batch) if policy == "none" else config.compression(policy, 10)
     state, compactions = run_from_start(model, batch, compression)
-    alone = generate(model, [batch.prompts[2]], batch.length, eos_ids=frozenset(), compression=compression if policy != "none" else CompressionConfig())
+    alone = generate(model, [batch.prompts[2]], batch.length, eos_ids=frozenset(), options=RunOptions(compression=compression if policy != "none" else CompressionConfig()))
     assert state.predicted[2].tolist() == alone.tokens[0]
     assert len(compactions) == (0 if policy == "none" else alone.compression.compactions)
 

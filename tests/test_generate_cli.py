@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+import cli
 import generate
 from compression.config import POLICIES
 from conftest import IM_END
@@ -43,7 +44,7 @@ def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpo
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the fox 🦊"}]
     assert out == transformers_answer(chat_checkpoint, messages, None, 24) + "\n"
     notice, summary = err.splitlines()
-    assert notice == generate.COMPILE_NOTICE  # said once
+    assert notice == cli.COMPILE_NOTICE  # said once
     assert summary.startswith("prompt tokens: ") and "decode:" in summary and "| compile: " in summary and "KV cache:" in summary
 
 
@@ -158,7 +159,7 @@ def test_a_generation_config_of_the_wrong_type_names_the_file(chat_checkpoint, t
 def test_greedy_with_repetition_penalty_equals_transformers(tiny_checkpoint):
     """The penalty counts the prompt and every token generated so far, inside the decode step."""
     from engine.generation import generate as run_generate
-    from weights.loader import load_model
+    from weights.forms import load_model
 
     folder, hf = tiny_checkpoint("llama")
     prompt = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(5)).tolist()

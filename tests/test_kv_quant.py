@@ -1,4 +1,4 @@
-"""The quantized KV cache (models/kv_quant.py): codes within half a step, attention over them
+"""The quantized KV cache (kv/quantized.py): codes within half a step, attention over them
 equal to attention over their dequantized copy, compaction moving the scales with the slots,
 and every path (paged, compiled, every policy) agreeing with the others on the same codes."""
 
@@ -9,15 +9,13 @@ import torch
 
 from benchmark.memory import decode_traffic
 from compression.config import POLICIES, CompressionConfig
-from engine.generation import generate
-from engine.kv_cache import KVCache
-from engine.paged_cache import PageConfig, PagedKVCache
+from engine.options import RunOptions, generate
+from kv.cache import KVCache, RowsView
+from kv.paged import PageConfig, PagedKVCache, PagedView
 from errors import UserError
 from models.config import ModelConfig
-from models.kv_layers import PagedLayer, RowsLayer, attend, write
-from models.kv_quant import KV_GROUP, QuantizedKV, dequantize, kv_storage, quantize
-from models.pages import read_pages
-from weights.loader import load_model
+from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, dequantize, kv_storage, quantize
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 SMALL = CompressionConfig(budget=6, hysteresis=3, window=3, n_recent=4, n_beacon=4)
@@ -81,15 +79,15 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
     if paged:
         cache = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
         for row in range(B):
-            cache.reserve(row, S)
+            cache.fit(row, S)
         layer = cache.layers(S)[0]
-        assert isinstance(layer, PagedLayer)
+        assert isinstance(layer, PagedView)
     else:
-        cache = KVCache.allocate(config, B, S, torch.float32, CPU, bits=bits)
+        cache = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits)
         layer = cache.layers(S)[0]
-        assert isinstance(layer, RowsLayer)
+        assert isinstance(layer, QuantizedRowsView)
     assert isinstance(layer.k, QuantizedKV)
-    write(layer, k, v, slots)
+    layer.write(k, v, slots)
     keys = dequantize(quantize(k, bits[0]), torch.float64)
     values = dequantize(quantize(v, bits[1]), torch.float64)
     G = H // H_kv
@@ -99,7 +97,7 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
     decode[1, ..., -1] = False
     prefill = torch.arange(S)[None, None, None, :] <= torch.arange(S - 3, S)[None, None, :, None]  # [1, 1, 3, S]
     for queries, mask in ((q, decode), (torch.randn(B, H, 3, D), prefill.expand(B, 1, 3, S))):
-        got = attend(layer, queries, slots[:, -queries.shape[2] :], mask)  # [B, H, T, D]
+        got = layer.attend(queries, slots[:, -queries.shape[2] :], mask, queries)  # [B, H, T, D]
         for b in range(B):
             for h in range(H):
                 for t in range(queries.shape[2]):
@@ -115,15 +113,15 @@ def test_compaction_moves_each_slots_scales_with_its_codes(bits):
     torch.manual_seed(2)
     config = config_of(64, n_layers=2)
     L, B, H_kv, S, D = 2, 2, 2, 12, 64
-    contiguous = KVCache.allocate(config, B, S, torch.float32, CPU, bits=bits)
+    contiguous = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits)
     paged = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
     for row in range(B):
-        paged.reserve(row, S)
+        paged.fit(row, S)
     k, v = hard_values(L, B, H_kv, S, D), torch.randn(L, B, H_kv, S, D)
     slots = torch.arange(S).expand(B, S)
     for cache in (contiguous, paged):
         for layer, view in enumerate(cache.layers(S)):
-            write(view, k[layer], v[layer], slots)
+            view.write(k[layer], v[layer], slots)
     before = contiguous.all_keys().clone()
     prompt_length = torch.tensor([2, 3])
     keep = torch.randint(0, 6, (L, B, H_kv, 3)).sort(dim=-1).values
@@ -142,7 +140,7 @@ def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
     config = config_of(64, n_layers=3)
     per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8}  # one head's K and V, bfloat16 or codes + scales
     for bits, expected in per_slot.items():
-        cache = KVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits=bits)
+        cache = QuantizedKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits)
         assert cache.nbytes == 3 * 2 * 2 * 10 * expected  # layers, rows, heads, slots
 
 
@@ -152,8 +150,8 @@ def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cach
     prompts = prompts_of([5, 30, 12], seed=3)
     for policy in POLICIES:
         compression = CompressionConfig(**{**SMALL.__dict__, "policy": policy})
-        contiguous = generate(model, prompts, 30, eos_ids=frozenset(), compression=compression, kv_dtype=kv_dtype)
-        paged = generate(model, prompts, 30, eos_ids=frozenset(), compression=compression, pages=PageConfig(block_size=4), kv_dtype=kv_dtype)
+        contiguous = generate(model, prompts, 30, eos_ids=frozenset(), options=RunOptions(compression=compression, kv_dtype=kv_dtype))
+        paged = generate(model, prompts, 30, eos_ids=frozenset(), options=RunOptions(compression=compression, pages=PageConfig(block_size=4), kv_dtype=kv_dtype))
         assert paged.tokens == contiguous.tokens, policy
         if policy != "none":
             assert contiguous.compression.compactions > 0
@@ -163,15 +161,14 @@ def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
     for kv_dtype in ("int8", "int4", "k8v4"):
-        eager = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype)
-        compiled = generate(model, prompts, 16, eos_ids=frozenset(), kv_dtype=kv_dtype, compile=True)
+        eager = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype))
+        compiled = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype, compile=True))
         assert compiled.tokens == eager.tokens, kv_dtype
 
 
 def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, monkeypatch):
     """--kv-dtype bf16 under a float32 model: the cache holds bfloat16 and attention runs in float32
     on its values: the logits of a float32 cache whose writes are rounded to bfloat16 first."""
-    import models.kv_layers
     from engine.decode import prefill
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
@@ -181,10 +178,12 @@ def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, m
     logits = prefill(model, cache, prompt)
     assert logits.dtype == torch.float32
 
-    def rounded_store(kv, index, values):
-        kv[index] = values.to(torch.bfloat16).float()
+    def rounded_write(view, k, v, slots):
+        rows = torch.arange(k.shape[0])[:, None]
+        view.k[rows, :, slots] = k.transpose(1, 2).to(torch.bfloat16).float()
+        view.v[rows, :, slots] = v.transpose(1, 2).to(torch.bfloat16).float()
 
-    monkeypatch.setattr(models.kv_layers, "kv_store", rounded_store)
+    monkeypatch.setattr(RowsView, "write", rounded_write)
     reference = prefill(model, KVCache.allocate(model.config, 1, 9, torch.float32, CPU), prompt)
     assert torch.equal(logits, reference)
     assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None)
@@ -198,7 +197,7 @@ def test_bad_kv_options_get_one_clear_error():
         kv_storage("int2", torch.float32)
     config = config_of(40)
     with pytest.raises(UserError, match="head dimension divisible by 32"):
-        KVCache.allocate(config, 1, 4, torch.float32, CPU, bits=(4, 4))
+        QuantizedKVCache.allocate(config, 1, 4, torch.float32, CPU, (4, 4))
 
 
 def test_bench_counts_the_codes_and_scales_a_step_reads(tiny_checkpoint):

@@ -1,18 +1,18 @@
 """Demote instead of evict (--kv-store): a compaction's evicted slots go to a bounded store, and
-each decode step attends over the pages whose bound says they may matter (models/recall.py)."""
+each decode step attends over the pages whose bound says they may matter (kv/store.py)."""
 
 import pytest
 import torch
 
-from compression.compaction import evicted_offsets
+from kv.compaction import evicted_offsets
 from compression.config import STORE_PAGE, CompressionConfig
-from engine.generation import Session, generate
-from engine.kv_store import KVStore
-from engine.paged_cache import PageConfig
+from engine.options import RunOptions, generate, open_session
+from kv.store import KVStore
+from kv.paged import PageConfig
 from engine.scheduler import Request, serve
 from errors import UserError
-from models.recall import page_bound
-from weights.loader import load_model
+from kv.store import page_bound
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 EVICTING = dict(policy="snapkv", budget=8, hysteresis=4, window=4, n_recent=4)
@@ -49,10 +49,10 @@ def test_a_store_that_holds_every_evicted_slot_and_recalls_every_page_gives_the_
     up to the order of its sums, so the same tokens; eviction alone gives others."""
     model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
     prompts = prompts_of([5, 30, 12])
-    full = generate(model, prompts, 60, eos_ids=frozenset(), pages=pages)
-    evicting = generate(model, prompts, 60, eos_ids=frozenset(), pages=pages, compression=CompressionConfig(**EVICTING))
+    full = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages))
+    evicting = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages, compression=CompressionConfig(**EVICTING)))
     stored = CompressionConfig(**EVICTING, store_slots=64, store_dtype="f32", recall_pages=64 // STORE_PAGE)
-    recalled = generate(model, prompts, 60, eos_ids=frozenset(), pages=pages, compression=stored)
+    recalled = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages, compression=stored))
     assert recalled.compression.compactions > 3
     assert evicting.tokens != full.tokens
     assert recalled.tokens == full.tokens
@@ -61,16 +61,16 @@ def test_a_store_that_holds_every_evicted_slot_and_recalls_every_page_gives_the_
 def test_a_full_store_drops_its_oldest_and_holds_the_same_memory(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     config = CompressionConfig(**EVICTING, store_slots=32, recall_pages=1)
-    session = Session(model, 1, config.slots_needed(9, 10_000), eos_ids=frozenset(), compression=config)
+    session = open_session(model, 1, config.slots_needed(9, 10_000), RunOptions(compression=config), eos_ids=frozenset())
     session.prefill(prompts_of([9]))
-    store = session.cache.store
+    store = session.policy.store
     held = [t.untyped_storage().data_ptr() for t in (store.k.codes, store.v.codes, store.low, store.filled)]
     while session.stats.compactions < 12:
         session.step()
     assert [t.untyped_storage().data_ptr() for t in (store.k.codes, store.v.codes, store.low, store.filled)] == held
     assert bool(store.filled.all())
     positions = store.positions[:, 0]  # [L, H_kv, N]
-    resident = session.manager.slot_positions()[:, 0, :, : int(session.cache.length[0])]  # [L, H_kv, S]
+    resident = session.policy.slot_positions()[:, 0, :, : int(session.cache.length[0])]  # [L, H_kv, S]
     for layer in range(positions.shape[0]):
         for head in range(positions.shape[1]):
             stored = set(positions[layer, head].tolist())
@@ -99,8 +99,8 @@ def test_compiled_step_with_a_store_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
     config = CompressionConfig(**EVICTING, store_slots=32, recall_pages=1)
-    eager = generate(model, prompts, 40, eos_ids=frozenset(), compression=config)
-    compiled = generate(model, prompts, 40, eos_ids=frozenset(), compression=config, compile=True)
+    eager = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config))
+    compiled = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config, compile=True))
     assert eager.compression.compactions > 0
     assert compiled.tokens == eager.tokens
 
@@ -109,15 +109,15 @@ def test_continuous_batching_with_a_store_answers_each_prompt_as_it_alone_would_
     model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
     prompts = prompts_of([5, 21, 9, 14], seed=5)
     config = CompressionConfig(**EVICTING, store_slots=32, recall_pages=1, store_dtype="int8")
-    alone = [generate(model, [p], 36, eos_ids=frozenset(), compression=config).tokens[0] for p in prompts]
-    assert serve(model, [Request(p, 36) for p in prompts], 2, eos_ids=frozenset(), compression=config).tokens == alone
+    alone = [generate(model, [p], 36, eos_ids=frozenset(), options=RunOptions(compression=config)).tokens[0] for p in prompts]
+    assert serve(model, [Request(p, 36) for p in prompts], 2, eos_ids=frozenset(), options=RunOptions(compression=config)).tokens == alone
 
 
 def test_the_store_is_counted_in_the_caches_bytes(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     c = model.config
-    without = generate(model, prompts_of([6]), 4, eos_ids=frozenset(), compression=CompressionConfig(**EVICTING))
-    stored = generate(model, prompts_of([6]), 4, eos_ids=frozenset(), compression=CompressionConfig(**EVICTING, store_slots=32, store_dtype="f32", recall_pages=2))
+    without = generate(model, prompts_of([6]), 4, eos_ids=frozenset(), options=RunOptions(compression=CompressionConfig(**EVICTING)))
+    stored = generate(model, prompts_of([6]), 4, eos_ids=frozenset(), options=RunOptions(compression=CompressionConfig(**EVICTING, store_slots=32, store_dtype="f32", recall_pages=2)))
     heads = c.n_layers * c.n_kv_heads
     assert stored.kv_cache_bytes - without.kv_cache_bytes == heads * (2 * 32 * c.head_dim * 4 + 2 * (32 // STORE_PAGE) * c.head_dim * 4)
 

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
 from errors import UserError
-from weights.loader import load_model, read_config
+from weights.forms import load_model
+from weights.loader import read_config
 
 CPU = torch.device("cpu")
 

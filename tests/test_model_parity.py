@@ -8,11 +8,11 @@ import torch
 
 from conftest import ALL_KINDS
 from tiny_checkpoints import tensors_in_file
-from engine.decode import decode_step, prefill
+from engine.decode import StepState, decode_step, prefill
 from engine.generation import generate
-from engine.kv_cache import KVCache
+from kv.cache import KVCache
 from engine.sampling import SamplingConfig
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 
@@ -71,7 +71,7 @@ def test_prefill_then_decode_gives_the_logits_of_one_full_forward(kind, tiny_che
     eos = torch.tensor([-1])
     for i in range(n_prompt, len(sequence)):
         tokens = torch.tensor([sequence[i]])
-        logits = decode_step(model, cache, tokens, finished, eos, SamplingConfig())
+        logits = decode_step(model, cache, StepState(tokens, finished, eos, SamplingConfig()))
         assert (logits[0] - full[i]).abs().max().item() <= 1e-4
     assert cache.length.tolist() == [len(sequence)] and cache.position.tolist() == [len(sequence)]
 
@@ -90,7 +90,7 @@ def test_bfloat16_logits_close_to_transformers_bfloat16(tiny_checkpoint):
 def test_cache_writes_move_the_exact_bits(dtype):
     """Compaction moves slots through integer views (CPU scatter_ is ~1000x slower on 16-bit floats):
     each value must land in its slot bit for bit, -0.0 and NaN included."""
-    from compression.compaction import scatter_bits_
+    from kv.compaction import scatter_bits_
 
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     buffer = torch.randn(2, 3, 10, 4).to(dtype)

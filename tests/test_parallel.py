@@ -18,13 +18,15 @@ import pytest
 import torch
 
 import generate
-from cli import ranks_running
+from cli_features import ranks_running
 from compression.config import POLICIES
 from conftest import ALL_KINDS
 from errors import UserError
 from models.parallel import TensorParallel, shard_config, start
 from parallel_ranks import Case, run_case
-from weights.loader import load_model, read_config
+from weights.forms import load_model
+from weights.sharding import load_rank
+from weights.loader import read_config
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 600
@@ -109,7 +111,7 @@ def test_each_rank_loads_only_its_block_of_each_tensor(tiny_checkpoint, kind):
     layers' biases on rank 0 only. 3 KV heads go 1 and 2. The ranks' shares add up to the weights."""
     folder = tiny_checkpoint(kind)[0]
     whole = load_model(folder, torch.float32, CPU)
-    ranks = [load_model(folder, torch.float32, CPU, parallel=TensorParallel(r, 2, None)) for r in range(2)]
+    ranks = [load_rank(folder, torch.float32, CPU, TensorParallel(r, 2, None)) for r in range(2)]
 
     def qkv_blocks(model) -> list[list[torch.Tensor]]:
         c = model.config
@@ -237,18 +239,18 @@ def test_only_a_collectives_failure_becomes_the_one_line_error():
 
 def test_a_device_without_a_backend_is_refused():
     with pytest.raises(UserError, match="no backend for meta devices"):
-        start(torch.device("meta"))
+        start(torch.device("meta"), 10)
 
 
 @pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="this torch has NCCL")
 def test_cuda_without_nccl_is_refused():
     with pytest.raises(UserError, match="no NCCL"):
-        start(torch.device("cuda"))
+        start(torch.device("cuda"), 10)
 
 
 def test_quantized_weights_and_the_chat_are_refused_under_tensor_parallelism(chat_checkpoint, capsys, monkeypatch):
     with pytest.raises(UserError, match="tensor parallelism runs 16/32-bit weights only"):
-        load_model(chat_checkpoint, torch.float32, CPU, quant="int8", parallel=TensorParallel(0, 2, None))
+        load_rank(chat_checkpoint, torch.float32, CPU, TensorParallel(0, 2, None), quant="int8")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert generate.main(["--checkpoint", str(chat_checkpoint), "-i"]) == 2
     assert "--interactive reads stdin on one process; under torchrun give --prompt or --prompt-file" in capsys.readouterr().err

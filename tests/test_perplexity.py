@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evaluation.perplexity import engine_nll, llama_cpp_nll, perplexity, windows
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 

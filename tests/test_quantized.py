@@ -20,15 +20,18 @@ from torch import nn
 
 import generate
 from engine.generation import generate as generate_tokens
-from engine.kv_cache import KVCache
+from engine.options import RunOptions
+from engine.options import generate as generate_with
+from kv.cache import KVCache
 from errors import UserError
-from models.kv_layers import CacheRead
+from models.transformer import CacheRead
 from models.quantized import Int4Linear, Int8Embedding, Int8Linear, QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import write_gguf
 from tiny_checkpoints import tensors_in_file
 from weights.gguf import import_gguf
 from weights.gguf_blocks import int4_weight
-from weights.loader import QUANTIZED_KEY, load_model
+from weights.forms import load_model
+from weights.loader import QUANTIZED_KEY
 
 CPU = torch.device("cpu")
 LINEAR_NAMES = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
@@ -337,7 +340,7 @@ def test_compiled_decode_step_with_quantized_layers_equals_eager(mode, tiny_chec
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU, quant=mode)
     prompts = random_tokens(1, 9, seed=6).tolist() + random_tokens(1, 4, seed=7).tolist()
     eager = generate_tokens(model, prompts, 8, eos_ids=frozenset()).tokens
-    compiled = generate_tokens(model, prompts, 8, eos_ids=frozenset(), compile=True).tokens
+    compiled = generate_with(model, prompts, 8, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens
     assert [len(t) for t in eager] == [8, 8]
     assert compiled == eager
 

@@ -12,11 +12,11 @@ import torch
 
 from compression.config import CompressionConfig
 from engine.decode import prefill
-from engine.generation import generate
-from engine.kv_cache import KVCache
-from engine.paged_cache import PageConfig
+from engine.options import RunOptions, generate
+from kv.cache import KVCache
+from kv.paged import PageConfig
 from engine.scheduler import Request, serve
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real
@@ -87,9 +87,9 @@ def test_the_paged_cache_and_continuous_batching_give_the_contiguous_engines_tok
     for dtype in (torch.bfloat16, torch.float32):
         model = load_model(folder, dtype, CPU)
         for compression in policies:
-            contiguous = generate(model, prompts, 48, eos_ids=frozenset(), compression=compression).tokens
+            contiguous = generate(model, prompts, 48, eos_ids=frozenset(), options=RunOptions(compression=compression)).tokens
             if dtype == torch.bfloat16:
-                assert generate(model, prompts, 48, eos_ids=frozenset(), compression=compression, pages=PageConfig()).tokens == contiguous
+                assert generate(model, prompts, 48, eos_ids=frozenset(), options=RunOptions(compression=compression, pages=PageConfig())).tokens == contiguous
             else:
                 requests = [Request(p, 48) for p in prompts]
-                assert serve(model, requests, 2, eos_ids=frozenset(), compression=compression).tokens == contiguous
+                assert serve(model, requests, 2, eos_ids=frozenset(), options=RunOptions(compression=compression)).tokens == contiguous

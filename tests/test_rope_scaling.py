@@ -19,7 +19,7 @@ from models.config import ModelConfig
 from errors import UserError
 from models.rope import attention_factor, rope_inverse_frequencies, rope_tables
 from tiny_checkpoints import COMMON
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 SCALED_KINDS = ["llama_linear_rope", "llama_dynamic_rope", "qwen2_yarn_rope", "llama_longrope", "llama3_rope"]

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from compression.config import CompressionConfig
-from engine.generation import generate
-from engine.paged_cache import PageConfig
+from engine.options import RunOptions, generate
+from kv.paged import PageConfig
 from engine.sampling import RowSampling, SamplingConfig
 from engine.scheduler import ContinuousBatch, ContinuousSession, Request
 from errors import UserError
-from weights.loader import load_model
+from weights.forms import load_model
 
 CPU = torch.device("cpu")
 SAMPLED = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02)
@@ -34,7 +34,7 @@ def new_batch(model, rows: int, n_slots: int = 64, n_blocks: int | None = None) 
                 answers.setdefault(key, []).append(token)
 
     sampling = RowSampling([SamplingConfig()] * rows, CPU, seeded=True)
-    session = ContinuousSession(model, rows, n_slots, eos_ids=frozenset(), sampling=sampling, pages=PageConfig(block_size=4, n_blocks=n_blocks))
+    session = ContinuousSession(model, rows, n_slots, RunOptions(pages=PageConfig(block_size=4, n_blocks=n_blocks)), eos_ids=frozenset(), sampling=sampling)
     return ContinuousBatch(session, CompressionConfig(), on_tokens), answers
 
 
@@ -92,7 +92,7 @@ def test_a_cancelled_request_leaves_at_once_and_returns_its_blocks(model):
         batch.step()
     assert {key: len(answers.get(key, [])) for key in (1, 2)} == {1: heard[1], 2: heard[2]}
     assert answers[0][:-1] == alone(model, Request(prompts[0], 20))
-    assert len(batch.session.cache.free) == batch.pool_blocks == 40
+    assert len(batch.session.cache.blocks.free) == batch.pool_blocks == 40
 
 
 def test_a_penalised_request_in_a_row_that_sat_idle_is_its_solo_answer(model):

@@ -37,13 +37,12 @@ from models.quantized import QuantizedWeight, quantize_int8
 from weights.gguf_blocks import GROUP, INT4_TYPES, int4_weight
 from weights.gguf_metadata import Metadata, open_gguf
 from weights.gguf_tokenizer import generation_config, tokenizer, tokenizer_config
-from weights.loader import QUANTIZED_KEY, expected_shapes, stored_entries, stored_tensors
-from weights.safetensors_writer import Entry, write_folder, write_safetensors
+from weights.safetensors_files import SAVED_DTYPES as DTYPES
+from weights.loader import QUANTIZED_KEY, expected_shapes
+from weights.safetensors_writer import Entry, stored_entries, stored_tensors, write_folder, write_safetensors
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The files an import writes; a folder with all of them is a finished import.
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 # GGUF leaf name -> Hugging Face name inside model.layers.N.
 _LAYER_NAMES = {

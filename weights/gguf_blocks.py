@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from models import GGUF_GROUP
+
 from models.quantized import QuantizedWeight
 
 INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-GROUP = 32
+GROUP = GGUF_GROUP
 
 
 def int4_weight(blocks: np.ndarray, kind: Q, shape: tuple[int, int]) -> QuantizedWeight:

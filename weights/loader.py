@@ -6,32 +6,26 @@ once, so that a decode step runs one matmul where transformers runs three. Weigh
 in blocks, each through a memory map closed at once; an untied embedding table stays mapped.
 """
 
-import ctypes
 import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from errors import UserError
 from models.config import ModelConfig
 from models.linear import column_major_on_cpu
-from models.parallel import TensorParallel
-from models.quantized import Int8Embedding, QuantizedWeight, check_int4_activations, check_int4_fits, concatenate, quantize, quantize_int8, quantized_linear
 from models.transformer import Transformer
-from weights.safetensors_files import FETCH_AGAIN, INDEX, open_safetensors, read_weight_map, safetensors_files
-from weights.safetensors_writer import Entry
-from weights.sharding import Part, parts_shape, rank_parts, whole
+from weights.safetensors_files import INDEX, open_safetensors, read_weight_map, safetensors_files
 
 # Buffers some exporters save alongside the weights; the engine computes them itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# config.json's mark of a checkpoint saved quantized (weights/quantize.py, python -m weights.gguf --quantized):
-# each linear weight is stored as int8 values beside float32 `.scales` (and `.zeros` for int4).
+# config.json's mark of a checkpoint saved quantized (weights/quantize.py, python -m weights.gguf --quantized),
+# which weights/quantized_loading.py reads.
 QUANTIZED_KEY = "weight_quantization"
-QUANT_SUFFIXES = (".scales", ".zeros")
-# The LM head and the embedding are int8 in both modes: against bfloat16 little perplexity for a
-# faster step, where int4 would cost several times as much (docs/performance.md).
-LM_HEAD_MODE = "int8"
 LINEARS = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight", "lm_head.weight")
 
 
@@ -56,6 +50,22 @@ def stored_quantized(checkpoint: Path) -> bool:
     """Whether the checkpoint's linear weights were saved quantized."""
     read_config(checkpoint)
     return QUANTIZED_KEY in json.loads((checkpoint / "config.json").read_text())
+
+
+Span = tuple[int, int]  # [first, end)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The rows and columns of one checkpoint tensor that go into an engine tensor (None: all of them)."""
+
+    name: str
+    rows: Span | None = None
+    columns: Span | None = None
+
+
+def whole(sources: list[str]) -> list[Part]:
+    return [Part(name) for name in sources]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -87,11 +97,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
-    """The file of every tensor the model takes, by HF name, after checking names and shapes."""
-    expected = expected_shapes(config)
-    if stored_quantized(checkpoint):
-        expected |= _quantization_shapes(checkpoint, expected)
+def locate_tensors(checkpoint: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]] | None = None) -> dict[str, Path]:
+    """The file of every tensor the model takes, by HF name, after checking names and shapes
+    (expected: every name and shape the files must hold; default, the architecture's)."""
+    expected = expected_shapes(config) if expected is None else expected
     weight_map = read_weight_map(checkpoint)
     located = {name: path for path in safetensors_files(checkpoint, weight_map) for name in _checked_names(path, config, expected, weight_map)}
     missing = [name for name in expected if name not in located]
@@ -99,26 +108,6 @@ def locate_tensors(checkpoint: Path, config: ModelConfig) -> dict[str, Path]:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"tensor {missing[0]}{more} missing from {checkpoint}; shape expected {list(expected[missing[0]])}")
     return located
-
-
-def _quantization_shapes(checkpoint: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """The `.scales` and `.zeros` tensors of a quantized checkpoint with their shapes [N, groups], as
-    its files hold them (the number of groups is each tensor's own: a GGUF file mixes block types)."""
-    shapes = {}
-    for path in safetensors_files(checkpoint, read_weight_map(checkpoint)):
-        with open_safetensors(path) as f:
-            for name in f.keys():
-                weight = name.rpartition(".")[0] + ".weight"
-                if name.endswith(QUANT_SUFFIXES) and len(expected.get(weight, ())) == 2:
-                    rows, inputs = expected[weight]
-                    groups = f.get_slice(name).get_shape()[-1]
-                    if not groups or inputs % groups:
-                        raise UserError(f"{name} in {path.name} has {groups} groups, which do not divide the {inputs} inputs of {weight}; {FETCH_AGAIN}")
-                    shapes[name] = (rows, groups)
-    for weight, shape in expected.items():
-        if len(shape) == 2:
-            shapes.setdefault(weight.removesuffix(".weight") + ".scales", (shape[0], 1))
-    return shapes
 
 
 def _checked_names(path: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]], weight_map: dict[str, str] | None) -> list[str]:
@@ -200,28 +189,22 @@ def read_copy(located: dict[str, Path], parts: list[Part], shape: tuple[int, ...
 
 
 def read_state(
-    located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32,
-    parallel: TensorParallel | None = None,
-) -> dict[str, torch.Tensor | QuantizedWeight]:
+    located: dict[str, Path], config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    parts_of: Callable[[str, list[str]], list[Part] | None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Every engine tensor, a copy of its own, except an embedding table that is not the LM head:
     on CPU, in the file's dtype, that one stays a view of the memory-mapped file, so only the rows
     the model looks up become resident (as with transformers' loading). Weights read in full at
     every step gain nothing from the map, and read from the page cache's small pages they were
-    slower (docs/performance.md). With `quant` int8 or int4, or from a checkpoint saved quantized,
-    the linear weights come as QuantizedWeight. With `parallel`, only this rank's parts of them
-    (weights/sharding.py)."""
+    slower (docs/performance.md). parts_of(engine name, its sources): the parts to read (None: a
+    tensor held as zeros); default, all of them (a tensor-parallel rank reads its own,
+    weights/sharding.py)."""
     expected = expected_shapes(config)
-    quantized = quant != "none" or any(name.endswith(QUANT_SUFFIXES) for name in located)
-    if quant == "int4":
-        check_int4_fits(linear_shapes(config), group_size)
     state = {}
     for name, sources in engine_sources(config).items():
         if name == "embed.weight" and config.tie_word_embeddings:
             continue  # the LM head's copy serves both (two copies would meet at the loading peak)
-        if name == "embed.weight" and quantized:
-            state[name] = _read_quantized(located, name, sources, expected[sources[0]], "int8", group_size, as_view=device.type == "cpu")
-            continue
-        parts = rank_parts(name, sources, config, parallel)
+        parts = whole(sources) if parts_of is None else parts_of(name, sources)
         if parts is None:  # a bias another rank adds
             state[name] = torch.zeros(expected[sources[0]], dtype=dtype, device=device)
             continue
@@ -232,124 +215,40 @@ def read_state(
                     state[name] = f.get_tensor(sources[0])[first:end]  # a view: the map stays open as long as the tensor lives
                     continue
         shape = parts_shape(parts, expected)
-        if quantized and name.endswith(LINEARS):
-            mode = LM_HEAD_MODE if name == "lm_head.weight" else quant
-            state[name] = _read_quantized(located, name, sources, shape, mode, group_size)
-            continue
         column_major = name.endswith(LINEARS) and column_major_on_cpu(shape, dtype, device)
         state[name] = read_copy(located, parts, shape, dtype, device, column_major)
-    if config.tie_word_embeddings and not quantized:
+    if config.tie_word_embeddings:
         state["embed.weight"] = state["lm_head.weight"]
     return state
 
 
-def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The [N, K] of the first layer's linear weights (every layer's are the same), by engine name."""
-    expected = expected_shapes(config)
-    return {
-        name: (sum(expected[s][0] for s in sources), expected[sources[0]][1])
-        for name, sources in engine_sources(config).items()
-        if name.startswith("layers.0.") and name.endswith(LINEARS)
-    }
+def parts_shape(parts: list[Part], shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of the engine tensor `parts` make, given each checkpoint tensor's whole shape."""
+    rows = sum(_extent(p.rows, shapes[p.name][0]) for p in parts)
+    first = parts[0]
+    if len(shapes[first.name]) == 1:
+        return (rows,)
+    return (rows, _extent(first.columns, shapes[first.name][1]))
 
 
-def _read_quantized(
-    located: dict[str, Path], name: str, sources: list[str], shape: tuple[int, ...], mode: str, group_size: int, as_view: bool = False
-) -> QuantizedWeight:
-    """The weight `name` quantized: as stored in a quantized checkpoint, or quantized now from its float values.
-    as_view: a weight stored whole stays a view of the memory-mapped file (an embedding table: only
-    the rows looked up become resident); otherwise every weight is a copy of its own."""
-    stored = [s.removesuffix(".weight") for s in sources if s.removesuffix(".weight") + ".scales" in located]
-    if as_view and len(stored) == 1:
-        return _read_stored(located, stored[0])
-    if stored:
-        return concatenate([_read_stored(located, prefix) for prefix in stored])
-    return quantize(read_copy(located, whole(sources), shape, torch.float32, torch.device("cpu"), column_major=False), mode, group_size)
+def _extent(span: Span | None, size: int) -> int:
+    return size if span is None else span[1] - span[0]
 
 
-def stored_entries(name: str, shape: tuple[int, int], groups: int, with_zeros: bool) -> list[Entry]:
-    """How a quantized checkpoint stores the weight `name` [N, K]: int8 values, float32 `.scales`
-    [N, groups] and, for int4, `.zeros` [N, groups] (what _read_stored reads back)."""
-    stem = name.removesuffix(".weight")
-    entries = [(name, torch.int8, shape), (stem + ".scales", torch.float32, (shape[0], groups))]
-    return entries + [(stem + ".zeros", torch.float32, (shape[0], groups))] if with_zeros else entries
-
-
-def stored_tensors(weight: QuantizedWeight) -> list[torch.Tensor]:
-    """The tensors of stored_entries, in its order."""
-    return [weight.values, weight.scales] + ([] if weight.zeros is None else [weight.zeros])
-
-
-def _read_stored(located: dict[str, Path], prefix: str) -> QuantizedWeight:
-    """One linear weight of a quantized checkpoint: int8 `.weight`, float32 `.scales` and, for int4, `.zeros`."""
-    tensors = {}
-    for suffix in (".weight", *QUANT_SUFFIXES):
-        if prefix + suffix in located:
-            with open_safetensors(located[prefix + suffix]) as f:
-                tensors[suffix] = f.get_tensor(prefix + suffix)
-    if tensors[".weight"].dtype != torch.int8:
-        raise UserError(f"{prefix}.weight is stored as {tensors['.weight'].dtype}, not int8, beside its .scales; {FETCH_AGAIN}")
-    return QuantizedWeight(tensors[".weight"], tensors[".scales"].float(), None if ".zeros" not in tensors else tensors[".zeros"].float())
-
-
-def load_model(
-    checkpoint: Path, dtype: torch.dtype, device: torch.device, quant: str = "none", group_size: int = 32, parallel: TensorParallel | None = None
-) -> Transformer:
-    """The model of a checkpoint folder; `quant` int8 or int4 quantizes its linear weights as they are read.
-    A checkpoint saved quantized runs as stored. With `parallel`, this rank's part of the model."""
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """The model of a checkpoint folder of 16/32-bit weights, in `dtype` (weights/forms.py loads
+    the other forms: quantized, or a tensor-parallel rank's part)."""
     config = read_config(checkpoint)
-    if quant != "none" and stored_quantized(checkpoint):
-        raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
-    if parallel is not None and quant != "none":
-        raise UserError(f"tensor parallelism runs 16/32-bit weights only; drop --quant {quant}, or run without torchrun")
-    if parallel is not None and stored_quantized(checkpoint):
-        raise UserError(f"{checkpoint} is stored quantized and tensor parallelism runs 16/32-bit weights only; run it without torchrun, or give a 16/32-bit checkpoint")
-    if quant == "int4":
-        check_int4_activations(device, dtype)  # before anything is read
-    # Built first, so that a rank's part that cannot be cut fails on every rank at once, before the reading.
+    if stored_quantized(checkpoint):
+        raise UserError(f"{checkpoint} is stored quantized; load it with weights.forms.load_model")
     with torch.device("meta"):  # no memory and no random init for weights that are replaced at once
-        model = Transformer(config, parallel)
-    state = read_state(locate_tensors(checkpoint, config), config, dtype, device, quant, group_size, parallel)
-    quantized = {name: state.pop(name) for name in list(state) if isinstance(state[name], QuantizedWeight)}
-    if quantized:
-        _place_quantized(model, quantized, state, dtype, device)
-        del quantized  # the portable copies too, before the memory goes back
-        _return_freed_memory()
+        model = Transformer(config)
+    return place_state(model, read_state(locate_tensors(checkpoint, config), config, dtype, device), device)
+
+
+def place_state(model: Transformer, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    """The model built on the meta device, its tensors put in place."""
     model.load_state_dict(state, assign=True, strict=True)
-    if isinstance(model.lm_head, nn.Linear) and config.tie_word_embeddings:
+    if isinstance(model.lm_head, nn.Linear) and model.config.tie_word_embeddings:
         model.embed.weight = model.lm_head.weight  # one tensor, in the LM head's layout
     return model.to(device).requires_grad_(False).eval()
-
-
-def _return_freed_memory() -> None:
-    """Hand the float copies quantizing freed back to the system. glibc keeps freed heap memory for
-    reuse, so without this the resident set stays at the loading peak, about twice what the
-    quantized model holds (docs/performance.md)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator does as it does
-        pass
-
-
-def _place_quantized(model: Transformer, quantized: dict[str, QuantizedWeight], state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-    """Put quantized layers in place of the model's linears and embedding; their buffers join `state`.
-    Each portable copy leaves `quantized` once its layer is built, so the loading peak holds one
-    weight in both forms, not all of them."""
-    layers = {}
-    table, head_mode = quantized.pop("embed.weight", None), quantized["lm_head.weight"].mode
-    head_copy = quantized["lm_head.weight"] if table is None and head_mode != "int8" else None  # the embedding's source
-    for name in list(quantized):
-        weight = quantized.pop(name)
-        path = name.removesuffix(".weight")
-        layers[path] = quantized_linear(weight, state.pop(path + ".bias", None), dtype, device)
-    head = layers["lm_head"]
-    if table is None and head_mode == "int8":
-        layers["embed"] = Int8Embedding(head.weight, head.scales)  # tied: the LM head's own table
-    else:
-        table = head_copy if table is None else table
-        table = table if table.mode == "int8" else quantize_int8(table.dequantize())
-        layers["embed"] = Int8Embedding(table.values.to(device), table.scales[:, 0].to(device, dtype))
-    for path, layer in layers.items():
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, layer)
-        state |= {f"{path}.{key}": value for key, value in layer.state_dict().items()}

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from errors import UserError, run_command
-from weights.gguf import CHECKPOINT_FILES, DTYPES, import_gguf
+from weights.safetensors_files import CHECKPOINT_FILES, SAVED_DTYPES as DTYPES
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -129,6 +129,8 @@ def _package_dir(module: str) -> Path | None:
 
 def _import_once(gguf: Path, folder: Path, dtype: str, quantized: bool) -> Path:
     print(f"importing {folder.name} into {folder} (once; later runs reuse it)", file=sys.stderr)
+    from weights.gguf import import_gguf  # the GGUF reader, needed by the first run only
+
     try:
         return import_gguf(gguf, folder, dtype, quantized=quantized)
     except UserError:

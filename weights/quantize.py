@@ -18,9 +18,11 @@ import torch
 from safetensors import safe_open
 
 from errors import UserError, run_command
-from models.quantized import GROUP_SIZES, check_int4_fits, quantize
-from weights.loader import LM_HEAD_MODE, QUANTIZED_KEY, SAFETENSORS_DTYPES, linear_shapes, locate_tensors, read_config, stored_entries, stored_quantized, stored_tensors
-from weights.safetensors_writer import Entry, write_folder, write_safetensors
+from models import GROUP_SIZES
+from models.quantized import check_int4_fits, quantize
+from weights.loader import QUANTIZED_KEY, SAFETENSORS_DTYPES, locate_tensors, read_config, stored_quantized
+from weights.quantized_loading import LM_HEAD_MODE, linear_shapes
+from weights.safetensors_writer import Entry, stored_entries, stored_tensors, write_folder, write_safetensors
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

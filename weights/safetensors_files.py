@@ -4,11 +4,15 @@ each opened for reading, with one clear error for a file that is missing, cut sh
 import json
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from errors import UserError
 
 INDEX = "model.safetensors.index.json"
+# The files of a checkpoint folder the engine makes (a GGUF import), and the dtypes it saves weights in.
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+SAVED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What to do about a damaged file of a checkpoint.
 FETCH_AGAIN = "download or copy it again (a folder imported from a GGUF file: delete it and import it again)"
 

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO
 import torch
 
 from errors import UserError
+from models.quantized import QuantizedWeight
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
 
@@ -55,3 +56,16 @@ def write_folder(out_dir: Path, fill: Callable[[Path], None]) -> Path:
             raise UserError(f"cannot write the checkpoint {out_dir} ({e}); check free space and that nothing else writes there") from e
         raise
     return out_dir
+
+
+def stored_entries(name: str, shape: tuple[int, int], groups: int, with_zeros: bool) -> list[Entry]:
+    """How a quantized checkpoint stores the weight `name` [N, K]: int8 values, float32 `.scales`
+    [N, groups] and, for int4, `.zeros` [N, groups] (what _read_stored reads back)."""
+    stem = name.removesuffix(".weight")
+    entries = [(name, torch.int8, shape), (stem + ".scales", torch.float32, (shape[0], groups))]
+    return entries + [(stem + ".zeros", torch.float32, (shape[0], groups))] if with_zeros else entries
+
+
+def stored_tensors(weight: QuantizedWeight) -> list[torch.Tensor]:
+    """The tensors of stored_entries, in its order."""
+    return [weight.values, weight.scales] + ([] if weight.zeros is None else [weight.zeros])

@@ -11,26 +11,15 @@ Every engine tensor is made of one or more Hugging Face tensors, concatenated al
 Only those parts are read from the files, so a rank's memory holds about 1/N of the weights.
 """
 
-from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
+import torch
+
+from errors import UserError
 from models.config import ModelConfig
-from models.parallel import TensorParallel
-
-Span = tuple[int, int]  # [first, end)
-
-
-@dataclass(frozen=True)
-class Part:
-    """The rows and columns of one checkpoint tensor that go into an engine tensor (None: all of them)."""
-
-    name: str
-    rows: Span | None = None
-    columns: Span | None = None
-
-
-def whole(sources: list[str]) -> list[Part]:
-    return [Part(name) for name in sources]
-
+from models.parallel import RankTransformer, TensorParallel
+from weights.loader import Part, locate_tensors, place_state, read_config, read_state, stored_quantized, whole
 
 def rank_parts(engine_name: str, sources: list[str], config: ModelConfig, parallel: TensorParallel | None) -> list[Part] | None:
     """The parts of `sources` this rank loads into `engine_name`, in order; None for a bias this
@@ -57,14 +46,18 @@ def rank_parts(engine_name: str, sources: list[str], config: ModelConfig, parall
     return whole(sources)
 
 
-def parts_shape(parts: list[Part], shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The shape of the engine tensor `parts` make, given each checkpoint tensor's whole shape."""
-    rows = sum(_extent(p.rows, shapes[p.name][0]) for p in parts)
-    first = parts[0]
-    if len(shapes[first.name]) == 1:
-        return (rows,)
-    return (rows, _extent(first.columns, shapes[first.name][1]))
-
-
-def _extent(span: Span | None, size: int) -> int:
-    return size if span is None else span[1] - span[0]
+def load_rank(checkpoint: Path, dtype: torch.dtype, device: torch.device, parallel: TensorParallel, quant: str = "none") -> RankTransformer:
+    """This rank's part of the model of a checkpoint folder of 16/32-bit weights (quant: what was
+    asked for, which only "none" is)."""
+    config = read_config(checkpoint)
+    if quant != "none" and stored_quantized(checkpoint):
+        raise UserError(f"{checkpoint} is already quantized and runs as stored; leave out --quant (it is for 16/32-bit checkpoints)")
+    if quant != "none":
+        raise UserError(f"tensor parallelism runs 16/32-bit weights only; drop --quant {quant}, or run without torchrun")
+    if stored_quantized(checkpoint):
+        raise UserError(f"{checkpoint} is stored quantized and tensor parallelism runs 16/32-bit weights only; run it without torchrun, or give a 16/32-bit checkpoint")
+    # Built first, so that a rank's part that cannot be cut fails on every rank at once, before the reading.
+    with torch.device("meta"):
+        model = RankTransformer(config, parallel)
+    parts_of = partial(rank_parts, config=config, parallel=parallel)
+    return place_state(model, read_state(locate_tensors(checkpoint, config), config, dtype, device, parts_of), device)

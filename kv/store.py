@@ -1,21 +1,98 @@
 """The store: where a compaction demotes the slots it evicts, instead of dropping them.
 
 Each (layer, row, KV head) has N store slots in pages of STORE_PAGE, holding demoted keys and
-values (int4 by default: models/kv_quant.py) and the positions they held. Each page keeps a
+values (int4 by default: kv/quantized.py) and the positions they held. Each page keeps a
 summary, the per-channel minimum and maximum of its keys, so that a decode step can pick the
-pages it may need (models/recall.py). The store is a ring: once it is full, a demotion overwrites
+pages it may need (`recall`, below). The store is a ring: once it is full, a demotion overwrites
 the oldest slots. It is allocated once and written in place, so its memory is bounded, and a
 compiled step or a CUDA graph keeps pointing at it.
 """
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
-from compression.config import STORE_PAGE, CompressionConfig
+from kv import STORE_PAGE
+from kv.cache import sdpa
+from kv.quantized import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
 from models.config import ModelConfig
-from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
-from models.recall import StoreLayer
+from models.transformer import LayerKV
+
+# What a decode step recalls: each page keeps the per-channel minimum and maximum of its keys (as
+# Quest does). From these, q . k over the page has an upper bound: sum over d of
+# max(q_d * min_d, q_d * max_d). At each step, each KV group takes the `recall` pages with the
+# highest bound for any of its query heads, and attends over the cache's slots and those pages'
+# slots in one softmax. Every shape is static: the number of pages recalled is fixed, and empty
+# slots are masked.
+
+
+class StoreLayer(NamedTuple):
+    """One layer of the store, as a forward pass reads it."""
+
+    k: KV  # [B, H_kv, N, D] demoted keys after RoPE (codes or floats)
+    v: KV  # [B, H_kv, N, D]
+    low: torch.Tensor  # [B, H_kv, n_pages, D] float32: each page's smallest key, per channel (0 for an empty page)
+    high: torch.Tensor  # [B, H_kv, n_pages, D] float32: its largest
+    filled: torch.Tensor  # [B, N] bool: the slots holding a demoted token
+    recall: int  # pages each KV group recalls per step
+
+
+def page_bound(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """The highest q . k can be for a key of each page: q [B, H, D] against low/high
+    [B, H_kv, n_pages, D] -> [B, H, n_pages] (query head h reads KV head h // G)."""
+    B, H, D = q.shape
+    H_kv = low.shape[1]
+    grouped = q.float().view(B, H_kv, H // H_kv, 1, D)  # [B, H_kv, G, 1, D]
+    bound = torch.maximum(grouped * low[:, :, None], grouped * high[:, :, None]).sum(-1)  # [B, H_kv, G, n_pages]
+    return bound.flatten(1, 2)
+
+
+def recall(store: StoreLayer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one step's queries q [B, H, 1, D]: the recalled keys and values [B, H_kv, R, D] in q's
+    dtype and which of them hold a token, [B, H_kv, 1, R] (R = recall x page slots)."""
+    B, H, _, D = q.shape
+    H_kv, n_pages = store.low.shape[1], store.low.shape[2]
+    page = store.filled.shape[1] // n_pages
+    held = store.filled.view(B, 1, n_pages, page).any(-1)  # [B, 1, n_pages]
+    bound = page_bound(q[:, :, 0], store.low, store.high).view(B, H_kv, H // H_kv, n_pages).amax(2)  # [B, H_kv, n_pages]
+    pages = bound.masked_fill(~held, float("-inf")).topk(store.recall, dim=-1).indices  # [B, H_kv, recall]
+    slots = (pages[..., None] * page + torch.arange(page, device=q.device)).flatten(-2)  # [B, H_kv, R]
+
+    def gather(part: torch.Tensor) -> torch.Tensor:
+        return part.gather(2, slots[..., None].expand(*slots.shape, part.shape[-1]))
+
+    k, v = (kv_read(kv_map(kv, gather), q.dtype) for kv in (store.k, store.v))
+    mask = store.filled[:, None].expand(B, H_kv, -1).gather(2, slots)[:, :, None]  # [B, H_kv, 1, R]
+    return k, v, mask
+
+
+class RecallView(NamedTuple):
+    """A layer's view of the cache (any kind) that, in a decode step, also attends over the pages
+    it recalls from the store."""
+
+    inner: LayerKV  # the cache kind's own view of the layer
+    store: StoreLayer
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.inner.write(k, v, slots)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read(dtype)
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] != 1:  # a prefill recalls nothing
+            return self.inner.attend(q, slots, mask, before_rope)
+        k, v = self.inner.read(q.dtype)
+        recalled_k, recalled_v, recalled = recall(self.store, q)
+        k, v = torch.cat([k, recalled_k], dim=2), torch.cat([v, recalled_v], dim=2)
+        B, H_kv = recalled.shape[:2]
+        resident = torch.ones(B, 1, 1, k.shape[2] - recalled.shape[3], dtype=torch.bool, device=q.device) if mask is None else mask
+        mask = torch.cat([resident.expand(B, H_kv, 1, -1), recalled], dim=3)  # [B, H_kv, 1, S + R]
+        return sdpa(q, k, v, mask)
+
+    def slots_read(self) -> list[tuple[torch.Tensor, int]]:
+        return self.inner.slots_read()
 
 
 @dataclass
@@ -46,12 +123,9 @@ class KVStore:
             recall,
         )
 
-    @classmethod
-    def for_compression(cls, config: ModelConfig, batch: int, compression: CompressionConfig, model_dtype: torch.dtype, device: torch.device) -> "KVStore | None":
-        """The store a compression config asks for (--kv-store), or None."""
-        if not compression.store_slots:
-            return None
-        return cls.allocate(config, batch, compression.store_slots, compression.store_dtype, model_dtype, compression.recall_pages, device)
+    def views(self, layers: list[LayerKV]) -> list[RecallView]:
+        """The cache's views of each layer, each recalling from this store's layer."""
+        return [RecallView(layer, store) for layer, store in zip(layers, self.layers())]
 
     @property
     def n_slots(self) -> int:

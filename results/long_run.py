@@ -1,7 +1,7 @@
 """A long compressed generation: does the resident set stay flat, and decode speed with it?
 
-    python -m docs.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --new-tokens 32768
-    python -m docs.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --policy streaming --kv-store 1024
+    python -m results.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --new-tokens 32768
+    python -m results.long_run --checkpoint checkpoints/SmolLM2-135M-Instruct --policy streaming --kv-store 1024
 
 Generates with a KV policy (BeaconKV by default; budget 512, hysteresis 128, window 32), with or
 without a store of demoted slots (--kv-store, int4) and no EOS, in bfloat16, eager (or --compile);
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from compression.config import CompressionConfig
-from engine.generation import generate
+from engine.options import RunOptions, generate
 from engine.sampling import SamplingConfig
-from weights.loader import load_model
+from weights.forms import load_model
 from weights.tokenizer import Tokenizer
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU kernels {torch.backends.cpu.get_cpu_capability()}; resident before: {resident_mib():.1f} MiB", flush=True)
     with torch.inference_mode():
-        result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, compression=policy, compile=args.compile)
+        result = generate(model, [prompt], args.new_tokens, eos_ids=frozenset(), sampling=sampling, on_tokens=on_tokens, options=RunOptions(compression=policy, compile=args.compile))
     stats = result.compression
     print(f"{result.new_tokens} tokens, {stats.compactions} compactions, KV cache {result.kv_cache_bytes / 2**20:.1f} MiB (its store included), "
           f"decode {result.decode_steps / result.decode_s:.1f} tok/s overall")

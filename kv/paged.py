@@ -9,28 +9,84 @@ evicts is memory another row can take.
 
 Block 0 is scratch, never handed out: every table entry a row does not own points to it, so
 an idle row of a continuous batch (which still runs through the fixed-shape step) writes there.
-Slots and positions work as in the contiguous cache (engine/kv_cache.py).
+Slots and positions work as in the contiguous cache (kv/cache.py).
 """
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
-from compression.compaction import BITS, compact_in_place, compaction_moves
-from engine.kv_store import KVStore
 from errors import UserError
-from models import flash_attention
+from kv import flash
+from kv.cache import counters, sdpa
+from kv.compaction import BITS, compact_in_place, compaction_moves
+from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_store, kv_unbind
 from models.config import ModelConfig
-from models.kv_layers import PagedLayer
-from models.kv_quant import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_unbind
-from models.pages import Pages, gather_pages, page_address, read_pages
 
 SCRATCH_BLOCK = 0
 
 
+class Pages(NamedTuple):
+    """A paged cache as one forward pass reads it."""
+
+    table: torch.Tensor  # [B, max_blocks] the pool block of each row's slots s // block_size
+    blocks: torch.Tensor  # [B, 1, S] the pool block of each slot read
+    heads: torch.Tensor  # [1, H_kv, 1]
+    offsets: torch.Tensor  # [B, 1, S] its offset in the block
+
+
+def page_address(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool block and the offset in it of each slot [B, ...] of each row: two [B, ...] tensors."""
+    blocks = block_table.gather(1, (slots // block_size).flatten(1)).view(slots.shape)
+    return blocks, slots % block_size
+
+
+def read_pages(block_table: torch.Tensor, n_slots: int, n_kv_heads: int, block_size: int) -> Pages:
+    """Where the first n_slots slots of every row lie in the pool."""
+    slots = torch.arange(n_slots, device=block_table.device).expand(block_table.shape[0], n_slots)  # [B, S]
+    blocks, offsets = page_address(block_table, slots, block_size)
+    return Pages(block_table, blocks[:, None], torch.arange(n_kv_heads, device=block_table.device)[None, :, None], offsets[:, None])
+
+
+def gather_pages(pool: torch.Tensor, pages: Pages) -> torch.Tensor:
+    """The slots `pages` reads, [..., B, H_kv, S, D], from a pool [..., n_blocks, H_kv, block_size, D]
+    (one layer's, or every layer's)."""
+    return pool[..., pages.blocks, pages.heads, pages.offsets, :]
+
+
+class PagedView(NamedTuple):
+    """One layer of the paged cache: row b's slot s lies in block pages.table[b, s // block]."""
+
+    k: KV  # [n_blocks, H_kv, block, D] the layer's pool
+    v: KV  # [n_blocks, H_kv, block, D]
+    pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, offsets = page_address(self.pages.table, slots, kv_parts(self.k)[0].shape[2])  # [B, T] each
+        index = (blocks, slice(None), offsets)  # [B, T, H_kv, D] into their blocks
+        kv_store(self.k, index, k.transpose(1, 2))
+        kv_store(self.v, index, v.transpose(1, 2))
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first S slots gathered from the pool, [B, H_kv, S, D] each."""
+        return tuple(kv_read(kv_map(kv, lambda pool: gather_pages(pool, self.pages)), dtype) for kv in (self.k, self.v))
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        """flash-attn reads a decode step's slots in use through the block table itself, where it
+        can (kv/flash.py); otherwise SDPA runs over the gathered slots."""
+        if q.shape[2] == 1 and not isinstance(self.k, QuantizedKV):
+            if flash.why_not_flash(q.device, q.dtype, self.k.dtype, q.shape[-1], self.k.shape[2], False) is None:
+                return flash.flash_decode(q, self.k, self.v, slots[:, 0] + 1, self.pages.table)
+        return sdpa(q, *self.read(q.dtype), mask)
+
+    def slots_read(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.pages.blocks, 2), (self.pages.offsets, 2)]  # [B, 1, S] each
+
+
 def default_block_size(device: torch.device) -> int:
     """16 slots; on CUDA with flash-attn, the page size it reads through a block table."""
-    return flash_attention.FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash_attention.kernel is not None else 16
+    return flash.FLASH_PAGE_MULTIPLE if device.type == "cuda" and flash.kernel is not None else 16
 
 
 @dataclass(frozen=True)
@@ -46,8 +102,49 @@ class PageConfig:
 
 
 @dataclass
+class BlockManager:
+    """The host's account of the pool: which blocks are free, which each row holds (in slot order),
+    and how many rows hold each block. A block goes back to the free list when its last holder
+    lets it go, so that rows may share blocks (a common prefix)."""
+
+    free: list[int]  # the blocks no row holds, handed out from the end
+    rows: list[list[int]]  # each row's blocks, in slot order
+    holders: list[int]  # [pool blocks] how many rows hold each block (the scratch block: none)
+    peak: int = 0  # the most blocks held at once
+
+    @classmethod
+    def of(cls, n_blocks: int, batch: int) -> "BlockManager":
+        """n_blocks blocks for `batch` rows, numbered from 1 (block 0 is scratch)."""
+        return cls(list(range(n_blocks, 0, -1)), [[] for _ in range(batch)], [0] * (n_blocks + 1))
+
+    @property
+    def in_use(self) -> int:
+        return len(self.holders) - 1 - len(self.free)
+
+    def take(self, row: int) -> int:
+        """A free block, appended to the row's."""
+        block = self.free.pop()
+        self.rows[row].append(block)
+        self.holders[block] += 1
+        self.peak = max(self.peak, self.in_use)
+        return block
+
+    def keep(self, row: int, n_blocks: int) -> None:
+        """The row lets go of its blocks past its first n_blocks."""
+        for block in reversed(self.rows[row][n_blocks:]):
+            self.holders[block] -= 1
+            if self.holders[block] == 0:
+                self.free.append(block)
+        del self.rows[row][n_blocks:]
+
+    def row(self, b: int) -> "BlockManager":
+        """Row b alone, over the same free list and counts."""
+        return replace(self, rows=[self.rows[b]])
+
+
+@dataclass
 class PagedKVCache:
-    k: KV  # [L, n_blocks, H_kv, block_size, D] keys after RoPE, every row's blocks (quantized: models/kv_quant.py)
+    k: KV  # [L, n_blocks, H_kv, block_size, D] keys after RoPE, every row's blocks (quantized: kv/quantized.py)
     v: KV  # [L, n_blocks, H_kv, block_size, D]
     block_table: torch.Tensor  # [B, max_blocks] int64 pool block of each row's slots s // block_size
     length: torch.Tensor  # [B] int64 slots in use
@@ -55,10 +152,7 @@ class PagedKVCache:
     prompt_length: torch.Tensor  # [B] int64 slots holding the prompt (the protected prefix)
     slot_ids: torch.Tensor  # [S] 0..S-1, S the slots a row may hold (its table's blocks hold up to a block more)
     dtype: torch.dtype  # what the keys and values read back as: the buffers' own, or a quantized cache's model dtype
-    free: list[int]  # host: the blocks no row holds, handed out from the end
-    rows: list[list[int]]  # host: each row's blocks, in slot order
-    peak_blocks: int = 0  # host: the most blocks held at once
-    store: KVStore | None = None  # where compactions demote what they evict (engine/kv_store.py)
+    blocks: BlockManager  # host: which blocks each row holds, and which are free
 
     @classmethod
     def allocate(
@@ -72,15 +166,13 @@ class PagedKVCache:
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
-        counters = [torch.zeros(batch, dtype=torch.int64, device=device) for _ in range(3)]
         return cls(
             *allocate_keys_and_values(shape, dtype, bits, device),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
-            *counters,
+            *counters(batch, device),
             torch.arange(n_slots, device=device),
             dtype,
-            list(range(n_blocks, 0, -1)),
-            [[] for _ in range(batch)],
+            BlockManager.of(n_blocks, batch),
         )
 
     @property
@@ -109,8 +201,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """The pool's K and V with their scales, and the store's bytes."""
-        return kv_nbytes(self.k) + kv_nbytes(self.v) + (0 if self.store is None else self.store.nbytes)
+        """The pool's K and V with their scales."""
+        return kv_nbytes(self.k) + kv_nbytes(self.v)
 
     @property
     def block_bytes(self) -> int:
@@ -118,21 +210,16 @@ class PagedKVCache:
         return (kv_nbytes(self.k) + kv_nbytes(self.v)) // self.pool_blocks
 
     @property
-    def blocks_in_use(self) -> int:
-        return self.pool_blocks - 1 - len(self.free)
-
-    @property
     def peak_bytes(self) -> int:
-        """K and V bytes of the most blocks held at once, and the store's."""
-        return self.peak_blocks * self.block_bytes + (0 if self.store is None else self.store.nbytes)
+        """K and V bytes of the most blocks held at once."""
+        return self.blocks.peak * self.block_bytes
 
-    def layers(self, n_slots: int | None) -> list[PagedLayer]:
+    def layers(self, n_slots: int | None) -> list[PagedView]:
         """Each layer's pool, with where the first n_slots slots of every row lie (None: all
         n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
         compiled step does not specialise on it."""
         pages = self._pages(self.n_slots if n_slots is None else n_slots)
-        stores = [None] * self.slot_shape()[0] if self.store is None else self.store.layers()
-        return [PagedLayer(k, v, pages, store) for k, v, store in zip(kv_unbind(self.k), kv_unbind(self.v), stores)]
+        return [PagedView(k, v, pages) for k, v in zip(kv_unbind(self.k), kv_unbind(self.v))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
@@ -148,20 +235,19 @@ class PagedKVCache:
         """Where the first n_slots slots of every row lie in the pool."""
         return read_pages(self.block_table, n_slots, kv_shape(self.k)[2], self.block_size)
 
-    def demote(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Copy the slots [L, B, H_kv, E] about to be evicted, and the positions they hold, into the store."""
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the slots [L, B, H_kv, E], [L, B, H_kv, E, D] each."""
         heads = torch.arange(slots.shape[2], device=slots.device)[None, :, None]  # [1, H_kv, 1]
         addresses = [page_address(self.block_table, layer_slots, self.block_size) for layer_slots in slots]  # [B, H_kv, E] each
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
             return torch.stack([pool[layer][blocks, heads, offsets] for layer, (blocks, offsets) in enumerate(addresses)])
 
-        k, v = (kv_read(kv_map(kv, gather), self.dtype) for kv in (self.k, self.v))
-        self.store.demote(k, v, positions)
+        return kv_read(kv_map(self.k, gather), self.dtype), kv_read(kv_map(self.v, gather), self.dtype)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Compact each row into the front of its own blocks, and the caller's per-slot buffers
-        [L, B, H_kv, S, ...] as compact_in_place does; the blocks left empty are for `shrink` to return."""
+        [L, B, H_kv, S, ...] as compact_in_place does; the blocks left empty are for `fit` to return."""
         source, target = compaction_moves(prompt_length, keep, n_candidates, window)
         for pool in kv_parts(self.k) + kv_parts(self.v):
             self._move_slots(pool, source, target)
@@ -169,7 +255,7 @@ class PagedKVCache:
 
     def _move_slots(self, pool: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
         """Slot source -> slot target [L, B, H_kv, N] of each (layer, row, KV head) in a pool,
-        moving the values' bits as integers (compression.compaction.scatter_bits_). A layer's
+        moving the values' bits as integers (kv.compaction.scatter_bits_). A layer's
         sources are all read before any is written, as in compact_in_place."""
         bits = pool.view(BITS[pool.element_size()])
         heads = torch.arange(pool.shape[2], device=pool.device)[None, :, None]  # [1, H_kv, 1]
@@ -181,39 +267,33 @@ class PagedKVCache:
 
     def row(self, b: int) -> "PagedKVCache":
         """Row b alone, as a cache of one row over the same pool: views of its table and counters.
-        Blocks are handed out and taken back through the whole cache (reserve, shrink, release)."""
+        Blocks are handed out and taken back through the whole cache (fit, release)."""
         rows = slice(b, b + 1)
         return replace(
             self, block_table=self.block_table[rows], length=self.length[rows], position=self.position[rows],
-            prompt_length=self.prompt_length[rows], rows=[self.rows[b]], store=None if self.store is None else self.store.row(b),
+            prompt_length=self.prompt_length[rows], blocks=self.blocks.row(b),
         )
 
-    def reserve(self, row: int, n_slots: int) -> None:
-        """Give the row blocks until its table covers n_slots slots."""
+    def fit(self, row: int, n_slots: int) -> None:
+        """Give the row blocks until its table covers n_slots slots, or return those past them."""
         if n_slots > self.n_slots:
             raise UserError(f"a row needs {n_slots} slots but the paged cache's rows hold {self.n_slots}; allocate the cache for longer rows")
-        blocks = self.rows[row]
-        while len(blocks) * self.block_size < n_slots:
-            if not self.free:
+        held = self.blocks.rows[row]
+        while len(held) * self.block_size < n_slots:
+            if not self.blocks.free:
                 raise UserError(
                     f"the paged cache's {self.pool_blocks - 1} blocks are all in use (a row needs {n_slots} slots); "
                     "give the pool more blocks or run fewer rows at once"
                 )
-            self.block_table[row, len(blocks)] = self.free[-1]
-            blocks.append(self.free.pop())
-            self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
-
-    def shrink(self, row: int, n_slots: int) -> None:
-        """Return the row's blocks past its first n_slots slots to the pool."""
-        blocks = self.rows[row]
+            index = len(held)
+            self.block_table[row, index] = self.blocks.take(row)
         keep = -(-n_slots // self.block_size)
-        if keep < len(blocks):
-            self.block_table[row, keep : len(blocks)] = SCRATCH_BLOCK
-            self.free.extend(reversed(blocks[keep:]))
-            del blocks[keep:]
+        if keep < len(held):
+            self.block_table[row, keep : len(held)] = SCRATCH_BLOCK
+            self.blocks.keep(row, keep)
 
     def release(self, row: int) -> None:
         """Return all of the row's blocks and empty it."""
-        self.shrink(row, 0)
+        self.fit(row, 0)
         for counter in (self.length, self.position, self.prompt_length):
             counter[row] = 0

@@ -2,8 +2,10 @@
 
 Optional. `why_not_flash` says when a decode step cannot take it (flash-attn missing, the CPU, a
 float32 or quantized cache, queries and cache of different dtypes, a paged block that is not a
-multiple of 256 slots, a store to recall from); the model then uses PyTorch's
+multiple of 256 slots, a store to recall from); attention then runs PyTorch's
 scaled_dot_product_attention, and the scripts print that reason once (cli.attention_line).
+FlashKVCache is the contiguous cache kind whose views take flash-attn in a decode step; the
+paged kind's views take it through the block table (kv/paged.py).
 Each condition is one of flash-attn's own checks in `mha_fwd_kvcache` (flash_api.cpp).
 
 The kernel is called through a torch custom op with a fake implementation: flash-attn's
@@ -15,6 +17,8 @@ import functools
 import re
 
 import torch
+
+from kv.cache import KVCache, RowsView
 
 FLASH_PAGE_MULTIPLE = 256  # flash-attn reads a paged cache in pages of a multiple of 256 slots
 FLASH_MAX_HEAD_DIM = 256
@@ -100,3 +104,17 @@ def flash_decode(
     q = q.transpose(1, 2).contiguous()  # [B, 1, H, D]
     out = flash_decode_op(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), n_valid.to(torch.int32), table)
     return out.transpose(1, 2)
+
+
+class FlashRowsView(RowsView):
+    """One layer of a contiguous float cache on CUDA: a decode step reads each row's slots in use
+    (the new token's slot + 1) with flash-attn where it can, SDPA otherwise."""
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] == 1 and why_not_flash(q.device, q.dtype, self.k.dtype, q.shape[-1], None, False) is None:
+            return flash_decode(q, self.k, self.v, slots[:, 0] + 1)
+        return super().attend(q, slots, mask, before_rope)
+
+
+class FlashKVCache(KVCache):
+    view = FlashRowsView

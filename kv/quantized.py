@@ -8,19 +8,22 @@ slot at a time, so no group ever mixes a kept slot with an evicted one or waits 
 members (docs/design.md). The price, measured: keys with a few very large channels (Qwen2's) lose
 much in 4 bits (docs/quantization.md).
 
-The model dequantizes the slots it reads, in its own dtype, before attention (models/kv_layers.py).
+A quantized cache kind is the contiguous one (kv/cache.py) over these buffers: its views write
+codes and read the slots back dequantized, in the queries' dtype, just before attention.
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from errors import UserError
+from kv import KV_BITS, KV_DTYPES
+from kv.cache import KVCache, RowsView, counters
+from models.config import ModelConfig
 
 KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
-KV_BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}  # (key bits, value bits): keys lose more in 4 bits (docs/quantization.md)
-KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 class QuantizedKV(NamedTuple):
@@ -155,3 +158,67 @@ def _codes(q: QuantizedKV) -> torch.Tensor:
     if q.bits == 4:
         codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
     return codes.float()
+
+
+class QuantizedRowsView(RowsView):
+    """One layer of a quantized contiguous cache: codes in, floats out."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+        index = (rows, slice(None), slots)  # [B, T, H_kv, D] into slots [B, T]
+        kv_store(self.k, index, k.transpose(1, 2))
+        kv_store(self.v, index, v.transpose(1, 2))
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_read(self.k, dtype), kv_read(self.v, dtype)
+
+    def slots_read(self) -> list[tuple[torch.Tensor, int]]:
+        return [(part, 2) for part in kv_parts(self.k) + kv_parts(self.v)]  # [B, H_kv, S, ...]
+
+
+class QuantizedKVCache(KVCache):
+    """The contiguous cache with keys and values in codes (QuantizedKV), read back in `dtype`."""
+
+    view = QuantizedRowsView
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int]) -> "QuantizedKVCache":
+        shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
+        return cls(*allocate_keys_and_values(shape, dtype, bits, device), *counters(batch, device), torch.arange(n_slots, device=device), dtype)
+
+    def slot_shape(self) -> tuple[int, int, int, int, int]:
+        return tuple(kv_shape(self.k))
+
+    def buffers(self) -> list[torch.Tensor]:
+        return kv_parts(self.k) + kv_parts(self.v)
+
+    def layers(self, n_slots: int | None) -> list[QuantizedRowsView]:
+        k, v = self.k, self.v
+        if n_slots is not None:
+            k, v = (kv_map(kv, lambda t: t[:, :, :, :n_slots]) for kv in (k, v))
+        return [self.view(*layer) for layer in zip(kv_unbind(k), kv_unbind(v))]
+
+    def keys(self, layer: int, n_slots: int) -> torch.Tensor:
+        return kv_read(kv_map(self.k, lambda t: t[layer, :, :, :n_slots]), self.dtype)
+
+    def all_keys(self) -> torch.Tensor:
+        return kv_read(self.k, self.dtype)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def pick(part: torch.Tensor) -> torch.Tensor:
+            return part.gather(3, slots[..., None].expand(*slots.shape, part.shape[-1]))
+
+        return kv_read(kv_map(self.k, pick), self.dtype), kv_read(kv_map(self.v, pick), self.dtype)
+
+    def row(self, b: int) -> "QuantizedKVCache":
+        rows = slice(b, b + 1)
+        k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
+        return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])
+
+
+def contiguous_cache(config: ModelConfig, batch: int, n_slots: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device) -> KVCache:
+    """The contiguous cache --kv-dtype asks for: floats, or codes read back in the model's dtype."""
+    dtype, bits = kv_storage(kv_dtype, model_dtype)
+    if bits is None:
+        return KVCache.allocate(config, batch, n_slots, dtype, device)
+    return QuantizedKVCache.allocate(config, batch, n_slots, dtype, device, bits)
