@@ -32,7 +32,7 @@ from weights.loader import read_config
 from weights.tokenizer import Tokenizer
 
 
-def run_options(args: argparse.Namespace, device: torch.device, paged: bool, cuda_graph: bool = False) -> RunOptions:
+def run_options(args: argparse.Namespace, device: torch.device, paged: bool, cuda_graph: bool) -> RunOptions:
     """The features a script's options ask for (paged: the run pages its cache)."""
     return RunOptions(args.compile, cuda_graph, compression_config(args), page_config(args, device, paged), args.kv_dtype)
 
