@@ -11,7 +11,6 @@ import torch
 
 from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from engine.sampling import SamplingConfig
-from engine.stop_strings import StopStrings
 from errors import UserError
 from kv import KV_BITS, KV_DTYPES
 from models.linear import NATIVE_CPU_MATMUL
@@ -182,16 +181,27 @@ class AnswerText:
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str]):
         self.decoder = StreamDecoder(tokenizer)
-        self.stops = StopStrings(stops)
+        self.stops = None
+        if stops:
+            from engine.stop_strings import StopStrings  # read only by an answer given stop strings
+
+            self.stops = StopStrings(stops)
         self.text = ""
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string has appeared: the answer is over."""
+        return self.stops is not None and self.stops.stopped
+
     def push(self, token: int) -> str:
-        piece = self.stops.push(self.decoder.push(token))
+        piece = self.decoder.push(token)
+        piece = piece if self.stops is None else self.stops.push(piece)
         self.text += piece
         return piece
 
     def flush(self) -> str:
-        piece = self.stops.push(self.decoder.flush()) + self.stops.flush()
+        piece = self.decoder.flush()
+        piece = piece if self.stops is None else self.stops.push(piece) + self.stops.flush()
         self.text += piece
         return piece
 

@@ -5,6 +5,7 @@ feature is asked for."""
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from engine.chat import Conversation
 from engine.options import RunOptions, open_session
 from engine.sampling import SamplingConfig
 from engine.scheduler import Request, serve
+from engine.speculative import Speculation
 from errors import UserError
 from kv.flash import why_not_flash
 from kv.paged import PageConfig, default_block_size
@@ -28,6 +30,7 @@ from models import parallel
 from models.config import ModelConfig
 from models.parallel import TensorParallel, kv_head_place
 from models.transformer import Transformer
+from weights.forms import load_model
 from weights.loader import read_config
 from weights.tokenizer import Tokenizer
 
@@ -35,6 +38,26 @@ from weights.tokenizer import Tokenizer
 def run_options(args: argparse.Namespace, device: torch.device, paged: bool, cuda_graph: bool) -> RunOptions:
     """The features a script's options ask for (paged: the run pages its cache)."""
     return RunOptions(args.compile, cuda_graph, compression_config(args), page_config(args, device, paged), args.kv_dtype)
+
+
+def speculation(args: argparse.Namespace, checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Speculation | None:
+    """--speculate: prompt lookup, or a draft model loaded here, whose tokenizer must be the checkpoint's."""
+    if args.speculate is None:
+        return None
+    if args.speculate == "ngram":
+        return Speculation(None, args.draft_tokens)
+    draft = Path(args.speculate.removeprefix("draft:"))
+    if not (draft / "config.json").is_file():
+        raise UserError(f"--speculate draft:{draft}: no checkpoint there (no config.json); give a local model folder")
+    if vocabulary(draft) != vocabulary(checkpoint):
+        raise UserError(f"--speculate draft:{draft}: its tokenizer is not the checkpoint's; a draft model must share the target's vocabulary")
+    return Speculation(load_model(draft, dtype, device), args.draft_tokens)
+
+
+def vocabulary(checkpoint: Path) -> tuple:
+    """A tokenizer's token ids: its model's vocabulary and its added tokens."""
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    return json.dumps(tokenizer["model"].get("vocab"), sort_keys=True), json.dumps(tokenizer.get("added_tokens"), sort_keys=True)
 
 
 def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> PageConfig | None:
@@ -102,6 +125,7 @@ def feature_options(args: argparse.Namespace, checkpoint: Path, model: Transform
     """generate.py's features; on CUDA, says which attention kernel runs."""
     device = model.device
     options = run_options(args, device, args.paged or args.max_batch is not None, cuda_graph)
+    options = replace(options, speculation=speculation(args, checkpoint, dtype, device))
     # The random policy's draws follow the whole model's KV heads, whichever rank holds them.
     options = replace(options, compression=replace(options.compression, kv_heads=kv_head_place(read_config(checkpoint), tp)))
     attention = attention_line(device, dtype, model.config, args.kv_dtype, options.pages, args.kv_store)
@@ -131,7 +155,7 @@ def answer_continuously(args, model, tokenizer: Tokenizer, prompts: list[list[in
             while printed < len(prompts) and done[printed]:
                 print(("\n" if printed else "") + texts[printed].text, flush=True)
                 printed += 1
-        return [prompt for prompt, token in news.items() if token is not None and texts[prompt].stops.stopped]
+        return [prompt for prompt, token in news.items() if token is not None and texts[prompt].stopped]
 
     requests = [Request(prompt, args.max_new_tokens) for prompt in prompts]
     run = serve(model, requests, args.max_batch, eos_ids=answer_eos(args, tokenizer), sampling=sampling, options=options, on_tokens=on_tokens)
@@ -183,7 +207,7 @@ def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, sampling: Sampli
             notice()
             if news.get(0) is not None:
                 print(text.push(news[0]), end="", flush=True)
-            return [0] if text.stops.stopped or interrupted else []
+            return [0] if text.stopped or interrupted else []
 
         previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
         try:

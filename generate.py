@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_compression_args(p)
     add_paging_args(p, "hold the KV cache in blocks, each prompt only the blocks it uses (--max-batch always does)")
     add_parallel_args(p)
+    g = p.add_argument_group("speculative decoding (one prompt; the answer is unchanged, only faster)")
+    g.add_argument(
+        "--speculate", metavar="ngram|draft:DIR",
+        help="guess the next tokens and check several in one forward pass: ngram looks them up in the prompt and the answer so far, "
+        "draft:DIR asks a smaller model that has this checkpoint's tokenizer",
+    )
+    g.add_argument("--draft-tokens", type=int, default=8, help="--speculate: the most guesses one pass checks (each round checks as many as its measured cost pays for)")
     args = p.parse_args(argv)
     if args.text is not None and args.prompt is not None:
         p.error("give the prompt either as an argument or with --prompt, not both")
@@ -86,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--context sizes an --interactive chat's cache; a one-shot run sizes it from the prompt")
     if any(not stop for stop in args.stop):
         p.error("--stop needs a non-empty string")
+    if args.speculate is not None and args.speculate != "ngram" and not args.speculate.startswith("draft:"):
+        p.error(f"--speculate takes ngram or draft:DIR, got {args.speculate!r}")
+    if args.speculate is not None and (args.interactive or args.prompt_file is not None):
+        p.error("--speculate runs one prompt; drop --interactive or --prompt-file")
+    if args.draft_tokens < 1:
+        p.error(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
     return args
 
 
@@ -130,6 +143,7 @@ def summary(result: GenerationResult, cuda_graph: bool) -> str:
         + f"KV cache: {result.kv_cache_bytes / 2**20:.1f} MiB"
         + (f" ({result.kv_peak_bytes / 2**20:.1f} MiB held at most)" if result.kv_peak_bytes < result.kv_cache_bytes else "")
         + (f" | compactions: {result.compression.compactions}" if result.compression is not None else "")
+        + (f" | {result.speculation}" if result.speculation is not None else "")
     )
 
 
@@ -153,6 +167,8 @@ def run(args: argparse.Namespace) -> None:
         return
     from cli_features import ranks_running, start_ranks  # tensor parallelism, under torchrun only
 
+    if args.speculate is not None:
+        raise UserError("--speculate runs on one process; drop it or run without torchrun")
     if args.interactive:
         raise UserError("--interactive reads stdin on one process; under torchrun give --prompt or --prompt-file")
     tp, device = start_ranks(args, pick_device(args.device))
@@ -163,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
 def uses_features(args: argparse.Namespace, device: torch.device, cuda_graph: bool) -> bool:
     """Whether the run needs more than the plain engine (a contiguous float cache, an eager step)."""
     asked = compression_config(args).enabled or args.kv_store or args.kv_dtype != "auto" or args.paged or args.max_batch is not None
-    asked = asked or args.block_size is not None or args.kv_blocks is not None
+    asked = asked or args.block_size is not None or args.kv_blocks is not None or args.speculate is not None
     return bool(asked or args.compile or cuda_graph or device.type == "cuda")
 
 
@@ -225,7 +241,7 @@ def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling
                 piece = texts[row].push(token)
                 if streaming:
                     print(piece, end="", flush=True)
-        return [row for row in news if texts[row].stops.stopped]
+        return [row for row in news if texts[row].stopped]
 
     if options is None:
         result = generate(model, prompts, args.max_new_tokens, eos_ids=answer_eos(args, tokenizer), sampling=sampling, on_tokens=on_tokens)

@@ -54,6 +54,7 @@ class GenerationResult:
     kv_peak_bytes: int  # held at the peak: all of it in the contiguous cache, the most blocks in use in the paged one
     compression: Any = None  # the KV policy's stats (compression.manager.CompressionStats), if one ran
     setup_s: float = 0.0  # of decode_s, the first step's, which built the step: compiled the blocks or captured a CUDA graph (0 when eager)
+    speculation: Any = None  # speculative decoding's counts (engine.speculative.SpeculationStats), if it ran
 
     @property
     def decode_tok_s(self) -> float:

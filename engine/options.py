@@ -1,5 +1,6 @@
 """A run's features in one object, and the session they make: the cache kind (paged, quantized,
-flash-attn on CUDA), the KV policy with its store, and the runner (compiled, a CUDA graph).
+flash-attn on CUDA), the KV policy with its store, the runner (compiled, a CUDA graph), and
+speculative decoding.
 
 The core (engine/generation.py) runs any cache kind, policy and runner it is handed; this is the
 one place that picks them from the options the scripts parse.
@@ -13,6 +14,7 @@ from engine.compile import Compiled
 from engine.cuda_graph import Graph
 from engine.generation import Eager, GenerationResult, OnTokens, Session, check_lengths, run
 from engine.sampling import RowSampling, SamplingConfig
+from engine.speculative import Speculation, speculate
 from errors import UserError
 from kv.cache import KVCache
 from kv.flash import FlashKVCache
@@ -28,6 +30,7 @@ class RunOptions:
     compression: CompressionConfig = CompressionConfig()  # a KV policy, and its store
     pages: PageConfig | None = None  # a paged cache (kv/paged.py); None: contiguous
     kv_dtype: str = "auto"  # how the cache stores keys and values (kv/quantized.py: kv_storage)
+    speculation: Speculation | None = None  # drafts verified several at a time (engine/speculative.py), one prompt
 
 
 def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions) -> KVCache | PagedKVCache:
@@ -80,4 +83,6 @@ def generate(
     if n_slots is not None and n_slots < needed:
         raise ValueError(f"this run needs {needed} slots per row, more than the {n_slots} asked for")
     session = open_session(model, len(prompts), needed if n_slots is None else n_slots, options, eos_ids=eos_ids, sampling=sampling)
+    if options.speculation is not None:
+        return speculate(session, prompts[0], max_new_tokens, options.speculation, on_tokens)
     return run(session, prompts, max_new_tokens, on_tokens)

@@ -194,7 +194,7 @@ class Worker:
             piece = job.text.push(token)
             if piece:
                 job.send(piece)
-            if job.text.stops.stopped:
+            if job.text.stopped:
                 stopped.append(key)
         return stopped
 
@@ -202,7 +202,7 @@ class Worker:
         piece = job.text.flush()
         if piece:
             job.send(piece)
-        limit_reached = job.completion_tokens == job.request.max_new_tokens and not job.text.stops.stopped
+        limit_reached = job.completion_tokens == job.request.max_new_tokens and not job.text.stopped
         self.served += 1
         seconds = time.perf_counter() - job.started
         log.info("request %d: %d prompt tokens, %d new tokens in %.1f s", job.key, len(job.request.prompt), job.completion_tokens, seconds)
