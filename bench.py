@@ -6,6 +6,7 @@
     python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
     python bench.py --paged                      (the engine on its paged cache too, side by side)
     python bench.py --as-user [--trials 3]       (generate.py's default command in fresh processes, cold and warm, beside llama.cpp)
+    python bench.py --speculate [--new-tokens 256] (speculative decoding on code-copying and free-text prompts, beside llama.cpp's prompt lookup)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
     python bench.py --workload 32 --serve        (serve.py under that load over HTTP: all at once, one at a time)
     torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
@@ -65,6 +66,7 @@ from kv.paged import PageConfig
 from errors import UserError, run_command
 from models.config import ModelConfig
 from models.parallel import kv_head_place
+from weights.forms import load_model
 from weights.loader import read_config, stored_quantized
 from weights.tokenizer import Tokenizer
 
@@ -100,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time generate.py's default command on the bundled model as a user runs it: fresh processes, wall time from start to exit, "
         "a cold and a warm compile cache and eager, beside llama.cpp on the same GGUF file when llama-cpp-python is installed (benchmark/as_user.py)",
     )
+    s = p.add_argument_group("speculative decoding (benchmark/speculation.py)")
+    s.add_argument("--speculate", action="store_true", help="prompt lookup against plain decoding, and llama.cpp's with and without its own, on HumanEval chat prompts")
+    s.add_argument("--speculate-prompts", type=int, default=3, metavar="N", help="--speculate: prompts of each kind (HumanEval problems 0..N-1)")
+    s.add_argument("--draft-tokens", type=int, default=8, help="--speculate: the most drafts one pass verifies, in both systems")
     w = p.add_argument_group("serving workload")
     w.add_argument("--workload", type=int, metavar="N", help="a serving benchmark of N prompts instead (see above)")
     w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
@@ -237,6 +243,9 @@ def run(args: argparse.Namespace) -> None:
     if args.as_user:
         run_as_user(args)
         return
+    if args.speculate:
+        run_speculation(args)
+        return
     batch = positive("--batch", args.batch)
     trials = positive("--trials", args.trials)
     new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
@@ -298,6 +307,31 @@ def run_as_user(args: argparse.Namespace) -> None:
     prompt = Tokenizer.from_dir(smollm2_checkpoint(quantized=True)).encode_chat([{"role": "user", "content": PROMPT}])
     runs = measure_as_user(gguf, prompt, new_tokens, trials, torch.get_num_threads())
     print_as_user(runs, describe_machine(torch.device("cpu")), new_tokens, trials)
+
+
+def run_speculation(args: argparse.Namespace) -> None:
+    from benchmark.speculation import measure_engine, measure_llama_cpp, print_speculation, workload
+
+    n_prompts = positive("--speculate-prompts", args.speculate_prompts)
+    if n_prompts > 100:
+        raise UserError("--speculate-prompts: the benchmark uses HumanEval problems 0-99 only; give at most 100")
+    new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)
+    max_draft = positive("--draft-tokens", args.draft_tokens)
+    device = pick_device(args.device)
+    checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    gguf = gguf_file(args, "llama.cpp") if importlib.util.find_spec("llama_cpp") is not None else None
+    if gguf is None:
+        progress("llama-cpp-python is not installed: the engine's runs alone")
+    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
+    compile_step = device.type == "cpu" if args.compile is None else args.compile
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    prompts = workload(tokenizer, n_prompts)
+    machine = describe_machine(device)
+    with torch.inference_mode():
+        results = measure_engine(load_model(checkpoint, dtype, device, quant, args.group_size), prompts, new_tokens, tokenizer.eos_ids, compile_step, max_draft)
+    if gguf is not None:
+        measure_llama_cpp(gguf, prompts, new_tokens, max_draft, results)
+    print_speculation(results, machine, checkpoint.name, new_tokens, n_prompts, compile_step)
 
 
 def run_workload(args: argparse.Namespace) -> None:

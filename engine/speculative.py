@@ -32,17 +32,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cpu import inductor_options
 from engine.decode import prefill
 from engine.generation import GenerationResult, OnTokens, Session
 from engine.sampling import SamplingConfig, filter_logits
 from errors import UserError
-from kv.cache import KVCache
-from models.transformer import LayerKV, Transformer
+from kv.cache import KVCache, sdpa
+from models.transformer import BlockGroups, CacheRead, LayerInputs, LayerKV, Transformer, run_blocks
 
 MAX_NGRAM = 4  # prompt lookup matches the text's last 4 tokens, else 3, ... down to MIN_NGRAM
 MIN_NGRAM = 1
 DECAY = 0.9  # how much of the acceptance counts so far a new round keeps
 PROBE_EVERY = 16  # skipped drafts after which one is verified anyway, to see whether acceptance has come back
+COMPILED_DRAFTS = 2  # a compiled verify's width: on both packaged models a pass over 3 positions costs about a step
 
 
 @dataclass(frozen=True)
@@ -124,12 +126,16 @@ class Widths:
     widths the cost is interpolated. Each draft is kept with a probability estimated per matched
     n-gram length, from counts that decay, so it follows the text."""
 
-    max_draft: int
+    allowed: list[int]  # the numbers of drafts a verify may take
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts -> seconds of a verify
     step_s: float | None = None
     kept: dict[int, float] = field(default_factory=dict)  # per n-gram length, decayed counts
     missed: dict[int, float] = field(default_factory=dict)
     skipped: int = 0
+
+    def to_calibrate(self) -> list[int]:
+        """The widths timed before the first verify: 1, 2, 4, ... and the widest, where allowed."""
+        return sorted({j for j in self.allowed if j & (j - 1) == 0} | {max(self.allowed)})
 
     def acceptance(self, n: int) -> float:
         kept, missed = self.kept.get(n, 1.0), self.missed.get(n, 1.0)  # a prior of one each
@@ -141,25 +147,25 @@ class Widths:
         below = max((w for w in self.verify_s if w < j), default=None)
         above = min((w for w in self.verify_s if w > j), default=None)
         if below is None or above is None:
-            near = below if above is None else above
-            return self.verify_s[near]
+            return self.verify_s[below if above is None else above]
         share = (j - below) / (above - below)
         return self.verify_s[below] * (1 - share) + self.verify_s[above] * share
 
-    def choose(self, n_drafts: int, match: int) -> int:
-        """How many of the drafts to verify (0: a plain step instead)."""
-        if n_drafts == 0 or self.step_s is None:
+    def choose(self, n_drafts: int, match: int, room: int) -> int:
+        """How many drafts to verify (0: a plain step instead), at most room. A width past
+        n_drafts is filled with guesses, which count as rejected."""
+        if n_drafts == 0 or self.step_s is None or not self.verify_s:
             return 0  # the first plain steps measure what a verify must beat
         a = self.acceptance(match)
         rate, best = 1 / self.step_s, 0
-        for j in range(1, min(n_drafts, self.max_draft) + 1):
-            expected = sum(a**i for i in range(j + 1))  # tokens a verify of j drafts yields
+        for j in (j for j in self.allowed if j <= room):
+            expected = sum(a**i for i in range(min(j, n_drafts) + 1))  # tokens a verify of j drafts yields
             if expected / self.cost(j) > rate:
                 rate, best = expected / self.cost(j), j
         if best == 0:
             self.skipped += 1
             if self.skipped >= PROBE_EVERY:
-                self.skipped, best = 0, 1
+                self.skipped, best = 0, min((j for j in self.allowed if j <= room), default=0)
         return best
 
     def measured(self, seconds: float, j: int) -> None:
@@ -203,47 +209,74 @@ class AttendByPosition:
     the 4- and 8-bit products compute each row alone, so there a position's logits are the plain
     step's bit for bit, while a float GEMM over several rows may round apart by ~1e-6."""
 
-    def __init__(self, views: list[LayerKV], held: int):
-        self.views, self.held = views, held  # views[i]: the layer's first held + i + 1 slots
+    def __init__(self, view: LayerKV):
+        self.view = view  # the layer's first held + T slots
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.views[-1].write(k, v, slots)
+        self.view.write(k, v, slots)
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        k, v = self.view.read(q.dtype)  # [1, H_kv, held + T, D] each
+        S, T = k.shape[2], q.shape[2]
         out = []
-        for i, view in enumerate(self.views):
-            in_use = torch.ones(1, 1, 1, self.held + i + 1, dtype=torch.bool, device=q.device)  # [B, 1, 1, S] as the step's
-            out.append(view.attend(q[:, :, i : i + 1], slots[:, i : i + 1], in_use, before_rope[:, :, i : i + 1]))
-        return torch.cat(out, dim=2)  # [B, H, T, D]
+        for i in range(T):
+            n = S - T + 1 + i  # the slots up to position i's own
+            in_use = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)  # [B, 1, 1, S] as the step's
+            out.append(sdpa(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], in_use))
+        return torch.cat(out, dim=2)  # [1, H, T, D]
 
 
-class ByPosition:
-    """Hands prefill AttendByPosition views (prefill's hook for a KV policy's views)."""
-
-    def __init__(self, cache: KVCache, held: int, width: int):
-        by_width = [cache.layers(held + i + 1) for i in range(width)]  # [width][L]
-        self.layers = [AttendByPosition(list(views), held) for views in zip(*by_width)]
-
-    def prefill_views(self, layers: list[LayerKV], prompt_lengths: torch.Tensor, fresh: bool) -> list[LayerKV]:
-        return self.layers
-
-    def prefilled(self, n_new: list[int], fresh: bool) -> None:
-        pass
+def verify_blocks(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[LayerKV]) -> torch.Tensor:
+    """run_blocks under a name of its own: compiled, its graphs and guards stay apart from the decode step's."""
+    return run_blocks(blocks, x, inputs, kvs)
 
 
-def forward_fed(session: Session, tokens: list[int]) -> torch.Tensor:
-    """Feed tokens into the session's one row after what it holds; logits [T, V] at each."""
-    held = session.lengths[0]
-    session.cache.fit(0, held + len(tokens))
-    return prefill(session.model, session.cache, [tokens], all_logits=True, policy=ByPosition(session.cache, held, len(tokens)))[0]
+class Verifier:
+    """Feeds the session's one row several tokens in one forward pass. When the session's step
+    runs compiled blocks, so does the verify, at COMPILED_DRAFTS drafts only: each width is a
+    graph of its own to compile."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.compiled: BlockGroups | None = None
+
+    def groups(self) -> BlockGroups | None:
+        step_groups = self.session.state.blocks
+        if step_groups is None or self.compiled is not None:
+            return self.compiled if step_groups is not None else None
+        model = self.session.model
+        compiled = torch.compile(verify_blocks, fullgraph=True, options=inductor_options(model.device, tensor_parallel=False))
+
+        def run(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[AttendByPosition]) -> torch.Tensor:
+            for kv in kvs:  # one graph for every number of slots held
+                for tensor, dim in kv.view.slots_read():
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            return compiled(blocks, x, inputs, kvs)
+
+        self.compiled = BlockGroups(run, step_groups.size)
+        return self.compiled
+
+    def forward(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, V] after each of the tokens, fed after what the row holds."""
+        session, cache = self.session, self.session.cache
+        held, T, device = session.lengths[0], len(tokens), cache.length.device
+        cache.fit(0, held + T)
+        steps = torch.arange(T, device=device)
+        layers = [AttendByPosition(view) for view in cache.layers(held + T)]
+        read = CacheRead(layers, cache.length[:, None] + steps, None)  # [1, T] slots to write
+        logits = session.model(torch.tensor([tokens], device=device), cache.position[:, None] + steps, read, groups=self.groups())
+        cache.length += T
+        cache.position += T
+        return logits[0]
 
 
-def verify(session: Session, last: int, drafts: list[int], sampling: SamplingConfig) -> tuple[int, int]:
+def verify(verifier: Verifier, last: int, drafts: list[int], sampling: SamplingConfig) -> tuple[int, int]:
     """Feed the last sampled token and the drafts into the session's one row, keep the drafts the
     target agrees with, and hand back the rest's slots. Returns the drafts kept and the next token,
     which the session holds as its next token to feed."""
+    session = verifier.session
     cache, state = session.cache, session.state
-    logits = forward_fed(session, [last, *drafts])  # [j + 1, V]
+    logits = verifier.forward([last, *drafts])  # [j + 1, V]
     n_kept, token = accept(logits, drafts, sampling)
     step_back(cache, len(drafts) - n_kept)
     session.lengths[0] += n_kept + 1
@@ -253,16 +286,17 @@ def verify(session: Session, last: int, drafts: list[int], sampling: SamplingCon
     return n_kept, token
 
 
-def calibrate(session: Session, widths: Widths, last: int, room: int) -> None:
-    """Time verifies of 1, 2, 4 and the most drafts on the row as it is, stepping back after each."""
-    forward_fed(session, [last, last])[-1, 0].item()  # the first verify may allocate: untimed
-    step_back(session.cache, 2)
-    for j in sorted({min(j, room) for j in (1, 2, 4, widths.max_draft)}):
-        start = time.perf_counter()
-        forward_fed(session, [last] * (j + 1))[-1, 0].item()
-        widths.verify_s[j] = time.perf_counter() - start
-        step_back(session.cache, j + 1)
-    session.cache.fit(0, session.lengths[0])
+def calibrate(verifier: Verifier, widths: Widths, last: int) -> None:
+    """Time a verify at each width it may take, on the row as it is, stepping back after each; the
+    first of a width is untimed (it may compile, or allocate)."""
+    for j in widths.to_calibrate():
+        for timed in (False, True):
+            start = time.perf_counter()
+            verifier.forward([last] * (j + 1))[-1, 0].item()
+            if timed:
+                widths.verify_s[j] = time.perf_counter() - start
+            step_back(verifier.session.cache, j + 1)
+    verifier.session.cache.fit(0, verifier.session.lengths[0])
 
 
 def check_session(session: Session) -> SamplingConfig:
@@ -288,7 +322,9 @@ def speculate(
     else:
         drafter = DraftModel(speculation.draft_model, len(prompt) + max_new_tokens)
     eos = set(session.state.eos.tolist())
-    stats, widths = SpeculationStats(), Widths(speculation.max_draft)
+    # A built step (compiled) verifies at one width, a graph of its own to compile; eager at any.
+    allowed = [min(COMPILED_DRAFTS, speculation.max_draft)] if session.runner.builds else list(range(1, speculation.max_draft + 1))
+    stats, widths, verifier = SpeculationStats(), Widths(allowed), Verifier(session)
     start = time.perf_counter()
     first = session.prefill([prompt])
     prefill_s = time.perf_counter() - start
@@ -313,10 +349,10 @@ def speculate(
         if ended:
             break
         room = max_new_tokens - len(answer) - 1  # drafts beyond it could not be handed out
-        if widths.step_s is not None and not widths.verify_s and room > 0:
-            calibrate(session, widths, history[-1], room)
+        if widths.step_s is not None and not widths.verify_s and room >= max(allowed):
+            calibrate(verifier, widths, history[-1])
         drafts, match = drafter.draft(history, min(speculation.max_draft, room)) if room > 0 else ([], 0)
-        j = widths.choose(len(drafts), match)
+        j = widths.choose(len(drafts), match, room)
         round_start = time.perf_counter()
         if j == 0:
             builds = session.runner.builds and stats.plain_steps == 0  # the first step compiles or captures
@@ -325,7 +361,8 @@ def speculate(
                 widths.measured(time.perf_counter() - round_start, 0)
             stats.plain_steps += 1
             continue
-        n_kept, token = verify(session, history[-1], drafts[:j], sampling)
+        drafts = drafts[:j] + drafts[-1:] * (j - len(drafts))  # a width past the drafts, filled with guesses
+        n_kept, token = verify(verifier, history[-1], drafts, sampling)
         widths.measured(time.perf_counter() - round_start, j)
         widths.verified(match, j, n_kept)
         stats.rounds, stats.drafted, stats.kept = stats.rounds + 1, stats.drafted + j, stats.kept + n_kept

@@ -12,7 +12,7 @@ import generate
 from engine.generation import run
 from engine.options import RunOptions, generate as generate_with, open_session
 from engine.sampling import SamplingConfig
-from engine.speculative import PromptLookup, Speculation, Widths, accept, step_back, verify
+from engine.speculative import PromptLookup, Speculation, Verifier, Widths, accept, step_back, verify
 from errors import UserError
 from kv.paged import PageConfig
 from weights.forms import load_model
@@ -25,22 +25,24 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 
 
 class Oracle:
-    """Drafts the plain answer's next tokens, every third one wrong: rounds keep some drafts and reject the rest."""
+    """Drafts the plain answer's next tokens, every fifth one wrong, so that rounds keep some drafts
+    and reject the rest; none for the first three tokens, which plain steps make (the first builds a
+    compiled step, and the verify compiles after it)."""
 
     answer: list[int] = []
     prompt_length = 0
 
     def draft(self, history: list[int], k: int) -> tuple[list[int], int]:
         done = len(history) - self.prompt_length
-        drafts = self.answer[done : done + k]
-        return [t if (done + i) % 3 else (t + 1) % 384 for i, t in enumerate(drafts)], 1
+        drafts = self.answer[done : done + k] if done > 3 else []
+        return [t if (done + i) % 5 != 2 else (t + 1) % 384 for i, t in enumerate(drafts)], 1
 
 
 @pytest.fixture
 def oracle(monkeypatch):
-    """Speculation drafting from Oracle, every round verifying all its drafts."""
+    """Speculation drafting from Oracle, every round verifying the most drafts it may (filled with guesses past the oracle's)."""
     monkeypatch.setattr(speculative, "PromptLookup", Oracle)
-    monkeypatch.setattr(Widths, "choose", lambda self, n_drafts, match: min(n_drafts, self.max_draft))
+    monkeypatch.setattr(Widths, "choose", lambda self, n_drafts, match, room: max((j for j in self.allowed if j <= room), default=0) if n_drafts else 0)
     return Oracle
 
 
@@ -54,14 +56,21 @@ def test_prompt_lookup_proposes_what_followed_the_longest_earlier_match():
 
 
 def test_widths_choose_the_most_tokens_per_second_and_probe_when_none_pays():
-    widths = Widths(max_draft=8, verify_s={1: 1.0, 2: 1.2, 4: 2.0, 8: 4.0}, step_s=1.0)
+    widths = Widths(list(range(1, 9)), verify_s={1: 1.0, 2: 1.2, 4: 2.0, 8: 4.0}, step_s=1.0)
+    assert widths.to_calibrate() == [1, 2, 4, 8]
     widths.kept[3], widths.missed[3] = 8.0, 2.0  # a draft after a 3-gram match is kept 80% of the time
     # tokens per second: 1 draft 1.8 / 1.0, 2 drafts 2.44 / 1.2 = 2.03, 3 drafts 2.95 / 1.6, 4 drafts 3.36 / 2.0
-    assert widths.choose(8, 3) == 2
-    assert widths.choose(1, 3) == 1
+    assert widths.choose(8, 3, room=8) == 2
+    assert widths.choose(8, 3, room=1) == 1
+    assert widths.choose(1, 3, room=8) == 1  # a second, guessed, draft would cost 1.2 for the same 1.8 tokens
     widths.kept[1], widths.missed[1] = 0.0, 5.0  # never kept: no verify beats a plain step (1 token / 1.0 s)
-    assert [widths.choose(8, 1) for _ in range(speculative.PROBE_EVERY)] == [0] * (speculative.PROBE_EVERY - 1) + [1]
-    assert widths.choose(0, 0) == 0
+    assert [widths.choose(8, 1, room=8) for _ in range(speculative.PROBE_EVERY)] == [0] * (speculative.PROBE_EVERY - 1) + [1]
+    assert widths.choose(0, 0, room=8) == 0
+
+    compiled = Widths([2], verify_s={2: 1.2}, step_s=1.0)  # one width: one draft is verified with a guess beside it
+    compiled.kept[3], compiled.missed[3] = 8.0, 2.0
+    assert compiled.to_calibrate() == [2]
+    assert compiled.choose(1, 3, room=8) == 2 and compiled.choose(1, 3, room=1) == 0
 
 
 @pytest.mark.parametrize(
@@ -82,7 +91,8 @@ def test_greedy_speculation_gives_the_plain_tokens(kind, options, oracle, tiny_c
     oracle.answer, oracle.prompt_length = plain, len(prompt)
     result = generate_with(model, [prompt], 40, eos_ids=frozenset(), options=replace(options, speculation=Speculation(max_draft=4)))
     assert result.tokens[0] == plain
-    assert result.speculation.rounds > 5 and 0 < result.speculation.kept < result.speculation.drafted  # drafts kept and rejected
+    stats = result.speculation
+    assert stats.plain_steps >= 3 and stats.rounds > 5 and 0 < stats.kept < stats.drafted  # drafts kept and rejected
 
 
 def test_speculation_stops_at_eos_and_tells_the_end_once(oracle, tiny_checkpoint):
@@ -106,7 +116,7 @@ def test_a_rejected_drafts_slots_are_handed_back_as_if_never_fed(tiny_checkpoint
     session = open_session(model, 1, 40, RunOptions(), eos_ids=frozenset())
     session.prefill([prompt])
     drafts = [answer[1], answer[2], (answer[3] + 1) % 384, answer[4]]  # the third is wrong
-    n_kept, token = verify(session, answer[0], drafts, SamplingConfig())
+    n_kept, token = verify(Verifier(session), answer[0], drafts, SamplingConfig())
     assert (n_kept, token) == (2, answer[3])
     # The plain session after feeding the same tokens: prompt, answer[0..2]; answer[3] is the next to feed.
     step_back(plain.cache, 8 - 4)
@@ -194,7 +204,7 @@ def test_speculative_sampling_on_a_model_follows_its_distribution(tiny_checkpoin
         session.reset()
         session.prefill([prompt])
         session.state.tokens[0] = first
-        n_kept, token = verify(session, first, drafts, sampling)
+        n_kept, token = verify(Verifier(session), first, drafts, sampling)
         pair = (drafts[0], drafts[1] if n_kept == 2 else token) if n_kept else (token, session.step().tokens[0])
         counts[pair] = counts.get(pair, 0) + 1
     expected = {pair: trials * p for pair, p in joint.items()}
