@@ -4,6 +4,8 @@
     python generate.py --checkpoint DIR -i          (a chat: /reset starts over, /exit leaves)
     python generate.py --checkpoint DIR --prompt-file PROMPTS.txt --max-batch 8
                                                     (continuous batching: 8 rows at a time)
+    python generate.py --checkpoint DIR --speculate ngram --prompt "Rewrite this code: ..."
+                                                    (speculative decoding: the same answer, faster where it copies its input)
     torchrun --nproc-per-node 2 generate.py --checkpoint DIR --prompt "..."
                                                     (tensor parallelism: the model split over 2 processes)
 

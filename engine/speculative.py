@@ -30,18 +30,13 @@ session is.
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.cpu import inductor_options
-from engine.decode import prefill
+from engine.drafters import DraftModel, PromptLookup
 from engine.generation import GenerationResult, OnTokens, Session
-from engine.sampling import SamplingConfig, filter_logits
+from engine.sampling import SamplingConfig
+from engine.verify import Verifier, step_back, verify
 from errors import UserError
-from kv.cache import KVCache, sdpa
-from models.transformer import BlockGroups, CacheRead, LayerInputs, LayerKV, Transformer, run_blocks
+from models.transformer import Transformer
 
-MAX_NGRAM = 4  # prompt lookup matches the text's last 4 tokens, else 3, ... down to MIN_NGRAM
-MIN_NGRAM = 1
 DECAY = 0.9  # how much of the acceptance counts so far a new round keeps
 PROBE_EVERY = 16  # skipped drafts after which one is verified anyway, to see whether acceptance has come back
 COMPILED_DRAFTS = 2  # a compiled verify's width: on both packaged models a pass over 3 positions costs about a step
@@ -63,60 +58,6 @@ class SpeculationStats:
     def __str__(self) -> str:
         share = f" ({self.kept / self.drafted:.0%})" if self.drafted else ""
         return f"speculation: {self.rounds} verifies, {self.plain_steps} plain steps, {self.kept} of {self.drafted} drafts kept{share}"
-
-
-class PromptLookup:
-    """Drafts from the text itself: the tokens that followed the latest earlier occurrence of the
-    text's last n tokens, for the longest n from MAX_NGRAM down to MIN_NGRAM that has one."""
-
-    def __init__(self):
-        self.after: dict[tuple[int, ...], int] = {}  # an n-gram -> the index just after its latest occurrence
-        self.indexed = 0  # history[:indexed] ends every n-gram indexed so far
-
-    def draft(self, history: list[int], k: int) -> tuple[list[int], int]:
-        """Up to k tokens, and the length of the n-gram matched (0: none)."""
-        # An n-gram ending at the last token has no continuation yet: index up to the one before.
-        for end in range(self.indexed, len(history) - 1):
-            for n in range(1, MAX_NGRAM + 1):
-                if end + 1 >= n:
-                    self.after[tuple(history[end + 1 - n : end + 1])] = end + 1
-        self.indexed = max(self.indexed, len(history) - 1)
-        for n in range(min(MAX_NGRAM, len(history)), MIN_NGRAM - 1, -1):
-            start = self.after.get(tuple(history[-n:]))
-            if start is not None:
-                return history[start : start + k], n
-        return [], 0
-
-
-class DraftModel:
-    """Drafts a smaller model's greedy continuation, on a one-row cache of its own that follows
-    the text: what it fed of drafts the target rejected is stepped back at the next round."""
-
-    def __init__(self, model: Transformer, n_slots: int):
-        self.model = model
-        self.cache = KVCache.allocate(model.config, 1, n_slots, model.dtype, model.device)
-        self.fed: list[int] = []  # the tokens its cache holds
-
-    def draft(self, history: list[int], k: int) -> tuple[list[int], int]:
-        same = 0
-        while same < min(len(self.fed), len(history) - 1) and self.fed[same] == history[same]:
-            same += 1
-        step_back(self.cache, len(self.fed) - same)
-        logits = prefill(self.model, self.cache, [history[same:]])  # [1, V] at the last token
-        drafts: list[int] = []
-        for _ in range(k):
-            drafts.append(int(logits.argmax(-1)))
-            if len(drafts) < k:
-                logits = prefill(self.model, self.cache, [drafts[-1:]])
-        self.fed = history + drafts[:-1]
-        return drafts, 1
-
-
-def step_back(cache: KVCache, n: int) -> None:
-    """Forget the one row's last n slots: the tokens fed there never were."""
-    if n:
-        cache.length -= n
-        cache.position -= n
 
 
 @dataclass
@@ -178,112 +119,6 @@ class Widths:
     def verified(self, match: int, j: int, n_kept: int) -> None:
         self.kept[match] = DECAY * self.kept.get(match, 1.0) + n_kept
         self.missed[match] = DECAY * self.missed.get(match, 1.0) + (n_kept < j)
-
-
-def accept(logits: torch.Tensor, drafts: list[int], sampling: SamplingConfig) -> tuple[int, int]:
-    """logits [j + 1, V]: the target's, after its last token and after each of the j drafts.
-    Returns how many drafts are kept, and the token that follows them."""
-    j = len(drafts)
-    fed = torch.tensor(drafts, device=logits.device)  # [j]
-    if sampling.temperature == 0:
-        best = logits.argmax(dim=-1)  # [j + 1]
-        n_kept = (best[:j] == fed).long().cumprod(0).sum()
-        n, token = torch.stack([n_kept, best[n_kept]]).tolist()
-        return n, token
-    probs = filter_logits(logits, sampling).softmax(dim=-1)  # [j + 1, V]
-    drafted = probs[:j].gather(1, fed[:, None])[:, 0]  # [j] each draft's probability under the target
-    n_kept = (torch.rand(j, device=logits.device) < drafted).long().cumprod(0).sum()
-    # After a rejected draft, the target's distribution without it; after the last draft, as it is.
-    residual = torch.cat([probs[:j].scatter(1, fed[:, None], 0.0), probs[j:]])  # [j + 1, V]
-    row = residual[n_kept]
-    exponential = -torch.log(torch.rand_like(row).clamp_min(1e-20))
-    token = (row / exponential).argmax()  # a draw from row / row.sum() (the exponential race)
-    n, token = torch.stack([n_kept, token]).tolist()
-    return n, token
-
-
-class AttendByPosition:
-    """A verify's view of one layer: each fed position attends alone, over exactly the slots up to
-    its own, as a decode step reads them. One attention over all of them sums in another order,
-    and in bfloat16 that turns greedy tokens at near ties. The other ops treat positions apart;
-    the 4- and 8-bit products compute each row alone, so there a position's logits are the plain
-    step's bit for bit, while a float GEMM over several rows may round apart by ~1e-6."""
-
-    def __init__(self, view: LayerKV):
-        self.view = view  # the layer's first held + T slots
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        self.view.write(k, v, slots)
-
-    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
-        k, v = self.view.read(q.dtype)  # [1, H_kv, held + T, D] each
-        S, T = k.shape[2], q.shape[2]
-        out = []
-        for i in range(T):
-            n = S - T + 1 + i  # the slots up to position i's own
-            in_use = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)  # [B, 1, 1, S] as the step's
-            out.append(sdpa(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], in_use))
-        return torch.cat(out, dim=2)  # [1, H, T, D]
-
-
-def verify_blocks(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[LayerKV]) -> torch.Tensor:
-    """run_blocks under a name of its own: compiled, its graphs and guards stay apart from the decode step's."""
-    return run_blocks(blocks, x, inputs, kvs)
-
-
-class Verifier:
-    """Feeds the session's one row several tokens in one forward pass. When the session's step
-    runs compiled blocks, so does the verify, at COMPILED_DRAFTS drafts only: each width is a
-    graph of its own to compile."""
-
-    def __init__(self, session: Session):
-        self.session = session
-        self.compiled: BlockGroups | None = None
-
-    def groups(self) -> BlockGroups | None:
-        step_groups = self.session.state.blocks
-        if step_groups is None or self.compiled is not None:
-            return self.compiled if step_groups is not None else None
-        model = self.session.model
-        compiled = torch.compile(verify_blocks, fullgraph=True, options=inductor_options(model.device, tensor_parallel=False))
-
-        def run(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[AttendByPosition]) -> torch.Tensor:
-            for kv in kvs:  # one graph for every number of slots held
-                for tensor, dim in kv.view.slots_read():
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-            return compiled(blocks, x, inputs, kvs)
-
-        self.compiled = BlockGroups(run, step_groups.size)
-        return self.compiled
-
-    def forward(self, tokens: list[int]) -> torch.Tensor:
-        """Logits [T, V] after each of the tokens, fed after what the row holds."""
-        session, cache = self.session, self.session.cache
-        held, T, device = session.lengths[0], len(tokens), cache.length.device
-        cache.fit(0, held + T)
-        steps = torch.arange(T, device=device)
-        layers = [AttendByPosition(view) for view in cache.layers(held + T)]
-        read = CacheRead(layers, cache.length[:, None] + steps, None)  # [1, T] slots to write
-        logits = session.model(torch.tensor([tokens], device=device), cache.position[:, None] + steps, read, groups=self.groups())
-        cache.length += T
-        cache.position += T
-        return logits[0]
-
-
-def verify(verifier: Verifier, last: int, drafts: list[int], sampling: SamplingConfig) -> tuple[int, int]:
-    """Feed the last sampled token and the drafts into the session's one row, keep the drafts the
-    target agrees with, and hand back the rest's slots. Returns the drafts kept and the next token,
-    which the session holds as its next token to feed."""
-    session = verifier.session
-    cache, state = session.cache, session.state
-    logits = verifier.forward([last, *drafts])  # [j + 1, V]
-    n_kept, token = accept(logits, drafts, sampling)
-    step_back(cache, len(drafts) - n_kept)
-    session.lengths[0] += n_kept + 1
-    cache.fit(0, session.lengths[0])
-    state.tokens[0] = token
-    state.finished[:1] = torch.isin(state.tokens[:1], state.eos)
-    return n_kept, token
 
 
 def calibrate(verifier: Verifier, widths: Widths, last: int) -> None:

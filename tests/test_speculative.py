@@ -12,7 +12,9 @@ import generate
 from engine.generation import run
 from engine.options import RunOptions, generate as generate_with, open_session
 from engine.sampling import SamplingConfig
-from engine.speculative import PromptLookup, Speculation, Verifier, Widths, accept, step_back, verify
+from engine.drafters import PromptLookup
+from engine.speculative import Speculation, Widths
+from engine.verify import Verifier, accept, step_back, verify
 from errors import UserError
 from kv.paged import PageConfig
 from weights.forms import load_model
