@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from engine.drafters import DraftModel, PromptLookup
 from engine.generation import GenerationResult, OnTokens, Session
 from engine.sampling import SamplingConfig
-from engine.verify import Verifier, step_back, verify
+from engine.verify import Verifier, verify
 from errors import UserError
 from models.transformer import Transformer
 
 DECAY = 0.9  # how much of the acceptance counts so far a new round keeps
 PROBE_EVERY = 16  # skipped drafts after which one is verified anyway, to see whether acceptance has come back
+PRIOR_DRAFT_COST = 0.25  # of a step, what each draft is taken to add to a verify until its width is measured
 COMPILED_DRAFTS = 2  # a compiled verify's width: on both packaged models a pass over 3 positions costs about a step
 
 
@@ -63,9 +64,10 @@ class SpeculationStats:
 @dataclass
 class Widths:
     """How many drafts to verify: the number with the most expected tokens per second. The
-    seconds of a verify at each width and of a plain step are measured; between two measured
-    widths the cost is interpolated. Each draft is kept with a probability estimated per matched
-    n-gram length, from counts that decay, so it follows the text."""
+    seconds of a verify at each width and of a plain step are measured as the run goes; between
+    two measured widths the cost is interpolated, and a width not yet measured is taken to cost
+    a step and PRIOR_DRAFT_COST of one per draft. Each draft is kept with a probability estimated
+    per matched n-gram length, from counts that decay, so it follows the text."""
 
     allowed: list[int]  # the numbers of drafts a verify may take
     verify_s: dict[int, float] = field(default_factory=dict)  # drafts -> seconds of a verify
@@ -73,10 +75,7 @@ class Widths:
     kept: dict[int, float] = field(default_factory=dict)  # per n-gram length, decayed counts
     missed: dict[int, float] = field(default_factory=dict)
     skipped: int = 0
-
-    def to_calibrate(self) -> list[int]:
-        """The widths timed before the first verify: 1, 2, 4, ... and the widest, where allowed."""
-        return sorted({j for j in self.allowed if j & (j - 1) == 0} | {max(self.allowed)})
+    tried: set[int] = field(default_factory=set)  # widths verified at least once
 
     def acceptance(self, n: int) -> float:
         kept, missed = self.kept.get(n, 1.0), self.missed.get(n, 1.0)  # a prior of one each
@@ -88,14 +87,14 @@ class Widths:
         below = max((w for w in self.verify_s if w < j), default=None)
         above = min((w for w in self.verify_s if w > j), default=None)
         if below is None or above is None:
-            return self.verify_s[below if above is None else above]
+            return self.step_s * (1 + PRIOR_DRAFT_COST * j)
         share = (j - below) / (above - below)
         return self.verify_s[below] * (1 - share) + self.verify_s[above] * share
 
     def choose(self, n_drafts: int, match: int, room: int) -> int:
         """How many drafts to verify (0: a plain step instead), at most room. A width past
         n_drafts is filled with guesses, which count as rejected."""
-        if n_drafts == 0 or self.step_s is None or not self.verify_s:
+        if n_drafts == 0 or self.step_s is None:
             return 0  # the first plain steps measure what a verify must beat
         a = self.acceptance(match)
         rate, best = 1 / self.step_s, 0
@@ -113,25 +112,14 @@ class Widths:
         """A verify of j drafts (0: a plain step) took this long."""
         if j == 0:
             self.step_s = seconds if self.step_s is None else DECAY * self.step_s + (1 - DECAY) * seconds
+        elif j not in self.tried:
+            self.tried.add(j)  # a width's first verify may compile it or allocate: untimed
         else:
             self.verify_s[j] = seconds if j not in self.verify_s else DECAY * self.verify_s[j] + (1 - DECAY) * seconds
 
     def verified(self, match: int, j: int, n_kept: int) -> None:
         self.kept[match] = DECAY * self.kept.get(match, 1.0) + n_kept
         self.missed[match] = DECAY * self.missed.get(match, 1.0) + (n_kept < j)
-
-
-def calibrate(verifier: Verifier, widths: Widths, last: int) -> None:
-    """Time a verify at each width it may take, on the row as it is, stepping back after each; the
-    first of a width is untimed (it may compile, or allocate)."""
-    for j in widths.to_calibrate():
-        for timed in (False, True):
-            start = time.perf_counter()
-            verifier.forward([last] * (j + 1))[-1, 0].item()
-            if timed:
-                widths.verify_s[j] = time.perf_counter() - start
-            step_back(verifier.session.cache, j + 1)
-    verifier.session.cache.fit(0, verifier.session.lengths[0])
 
 
 def check_session(session: Session) -> SamplingConfig:
@@ -184,8 +172,6 @@ def speculate(
         if ended:
             break
         room = max_new_tokens - len(answer) - 1  # drafts beyond it could not be handed out
-        if widths.step_s is not None and not widths.verify_s and room >= max(allowed):
-            calibrate(verifier, widths, history[-1])
         drafts, match = drafter.draft(history, min(speculation.max_draft, room)) if room > 0 else ([], 0)
         j = widths.choose(len(drafts), match, room)
         round_start = time.perf_counter()

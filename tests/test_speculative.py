@@ -57,9 +57,18 @@ def test_prompt_lookup_proposes_what_followed_the_longest_earlier_match():
     assert PromptLookup().draft([8, 8], 4) == ([8], 1)  # up to the end of the text
 
 
+def test_widths_start_from_a_prior_cost_and_time_a_width_from_its_second_verify():
+    widths = Widths([1, 2], step_s=1.0)  # nothing measured: a draft is taken to add a quarter step, kept half the time
+    assert widths.cost(1) == 1.25 and widths.cost(2) == 1.5
+    assert widths.choose(2, 3, room=8) == 1  # 1.5 tokens / 1.25 s against 1.75 / 1.5
+    widths.measured(9.0, 1)  # the first verify of a width (it may have compiled) is not timed
+    assert widths.cost(1) == 1.25
+    widths.measured(1.1, 1)
+    assert widths.cost(1) == 1.1
+
+
 def test_widths_choose_the_most_tokens_per_second_and_probe_when_none_pays():
     widths = Widths(list(range(1, 9)), verify_s={1: 1.0, 2: 1.2, 4: 2.0, 8: 4.0}, step_s=1.0)
-    assert widths.to_calibrate() == [1, 2, 4, 8]
     widths.kept[3], widths.missed[3] = 8.0, 2.0  # a draft after a 3-gram match is kept 80% of the time
     # tokens per second: 1 draft 1.8 / 1.0, 2 drafts 2.44 / 1.2 = 2.03, 3 drafts 2.95 / 1.6, 4 drafts 3.36 / 2.0
     assert widths.choose(8, 3, room=8) == 2
@@ -71,7 +80,6 @@ def test_widths_choose_the_most_tokens_per_second_and_probe_when_none_pays():
 
     compiled = Widths([2], verify_s={2: 1.2}, step_s=1.0)  # one width: one draft is verified with a guess beside it
     compiled.kept[3], compiled.missed[3] = 8.0, 2.0
-    assert compiled.to_calibrate() == [2]
     assert compiled.choose(1, 3, room=8) == 2 and compiled.choose(1, 3, room=1) == 0
 
 
