@@ -1,8 +1,10 @@
 """The OpenAI API's shapes: the requests serve.py accepts (pydantic checks their types and
 ranges), the answers and stream chunks it sends, and its error bodies.
 
-Fields a client may send that the engine does not implement (logprobs, tools, ...) are ignored,
-as most OpenAI-compatible servers do; `n` other than 1 is refused.
+A field of the API that the engine does not implement (logprobs, tools, response_format, the
+penalties, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
+false, 0, empty, the default), as the OpenAI clients send it; `n` other than 1 is refused too.
+Fields the API does not define are ignored.
 """
 
 import json
@@ -10,7 +12,8 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class TextPart(BaseModel):
@@ -30,6 +33,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields of the API the engine does not implement, with the values that ask for nothing.
+NOT_IMPLEMENTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "chat_template_kwargs": (None, {}),
+}
+
+
 class Sampling(BaseModel):
     """What both endpoints take: the length of the answer, how it is sampled, how it comes back."""
 
@@ -47,6 +69,16 @@ class Sampling(BaseModel):
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_what_is_not_implemented(cls, body: object) -> object:
+        """An answer would ignore these fields: refused, not ignored."""
+        if isinstance(body, dict):
+            for name, asks_nothing in NOT_IMPLEMENTED.items():
+                if name in body and body[name] not in asks_nothing:
+                    raise PydanticCustomError("not_implemented", f"{name} is not implemented by this server; drop it (or send {asks_nothing[-1]!r})")
+        return body
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

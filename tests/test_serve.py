@@ -186,7 +186,20 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, "stream"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", [1, 2], "body"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty is not implemented"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not implemented"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not implemented"),
 ]
+
+
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    """What clients send by default (null, false, 0, empty) changes nothing and is no reason for a 400."""
+    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}}
+    status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **neutral})
+    assert status == 200, answer
 
 
 @pytest.mark.parametrize("path,body,says", BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
