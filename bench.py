@@ -310,28 +310,20 @@ def run_as_user(args: argparse.Namespace) -> None:
 
 
 def run_speculation(args: argparse.Namespace) -> None:
-    from benchmark.speculation import measure_engine, measure_llama_cpp, print_speculation, workload
+    from benchmark.speculation import measure_speculation
 
     n_prompts = positive("--speculate-prompts", args.speculate_prompts)
     if n_prompts > 100:
         raise UserError("--speculate-prompts: the benchmark uses HumanEval problems 0-99 only; give at most 100")
-    new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)
-    max_draft = positive("--draft-tokens", args.draft_tokens)
     device = pick_device(args.device)
     checkpoint, quant = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     gguf = gguf_file(args, "llama.cpp") if importlib.util.find_spec("llama_cpp") is not None else None
     if gguf is None:
         progress("llama-cpp-python is not installed: the engine's runs alone")
-    dtype = pick_dtype(args.dtype, checkpoint, device, quant)
+    model = load_model(checkpoint, pick_dtype(args.dtype, checkpoint, device, quant), device, quant, args.group_size)
     compile_step = device.type == "cpu" if args.compile is None else args.compile
-    tokenizer = Tokenizer.from_dir(checkpoint)
-    prompts = workload(tokenizer, n_prompts)
-    machine = describe_machine(device)
-    with torch.inference_mode():
-        results = measure_engine(load_model(checkpoint, dtype, device, quant, args.group_size), prompts, new_tokens, tokenizer.eos_ids, compile_step, max_draft)
-    if gguf is not None:
-        measure_llama_cpp(gguf, prompts, new_tokens, max_draft, results)
-    print_speculation(results, machine, checkpoint.name, new_tokens, n_prompts, compile_step)
+    new_tokens, max_draft = positive("--new-tokens", args.new_tokens, minimum=2), positive("--draft-tokens", args.draft_tokens)
+    measure_speculation(model, checkpoint, gguf, n_prompts, new_tokens, max_draft, compile_step)
 
 
 def run_workload(args: argparse.Namespace) -> None:

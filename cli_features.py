@@ -56,8 +56,11 @@ def speculation(args: argparse.Namespace, checkpoint: Path, dtype: torch.dtype, 
 
 def vocabulary(checkpoint: Path) -> tuple:
     """A tokenizer's token ids: its model's vocabulary and its added tokens."""
-    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
-    return json.dumps(tokenizer["model"].get("vocab"), sort_keys=True), json.dumps(tokenizer.get("added_tokens"), sort_keys=True)
+    file = checkpoint / "tokenizer.json"
+    if not file.is_file():
+        raise UserError(f"{checkpoint} has no tokenizer.json, so its vocabulary cannot be compared; --speculate draft: needs one in both folders")
+    tokenizer = json.loads(file.read_text())
+    return json.dumps(tokenizer.get("model", {}).get("vocab"), sort_keys=True), json.dumps(tokenizer.get("added_tokens"), sort_keys=True)
 
 
 def page_config(args: argparse.Namespace, device: torch.device, paged: bool) -> PageConfig | None:

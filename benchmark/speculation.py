@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark.machine import Machine
+from benchmark.machine import Machine, describe_machine
 from benchmark.workload import progress
 from engine.options import RunOptions, generate
 from engine.speculative import Speculation
@@ -141,3 +141,15 @@ def print_speculation(results: dict[str, KindResult], machine: Machine, model_na
         )
     median_speedup = statistics.median(r.speculative.tok_s / r.plain.tok_s for r in results.values())
     print(f"\nmedian speedup over the kinds: {median_speedup:.2f}x")
+
+
+def measure_speculation(model: Transformer, checkpoint: Path, gguf: Path | None, n_prompts: int, new_tokens: int, max_draft: int, compile_step: bool) -> None:
+    """The whole benchmark: the engine's runs, llama.cpp's when a GGUF file is given, the table."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    prompts = workload(tokenizer, n_prompts)
+    machine = describe_machine(model.device)
+    with torch.inference_mode():
+        results = measure_engine(model, prompts, new_tokens, tokenizer.eos_ids, compile_step, max_draft)
+    if gguf is not None:
+        measure_llama_cpp(gguf, prompts, new_tokens, max_draft, results)
+    print_speculation(results, machine, checkpoint.name, new_tokens, n_prompts, compile_step)

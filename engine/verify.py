@@ -56,11 +56,11 @@ class AttendByPosition:
     def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
         k, v = self.view.read(q.dtype)  # [1, H_kv, held + T, D] each
         S, T = k.shape[2], q.shape[2]
+        in_use = torch.ones(1, 1, 1, S, dtype=torch.bool, device=q.device)  # [B, 1, 1, S] as the step's, sliced per position
         out = []
         for i in range(T):
             n = S - T + 1 + i  # the slots up to position i's own
-            in_use = torch.ones(1, 1, 1, n, dtype=torch.bool, device=q.device)  # [B, 1, 1, S] as the step's
-            out.append(sdpa(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], in_use))
+            out.append(sdpa(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], in_use[..., :n]))
         return torch.cat(out, dim=2)  # [1, H, T, D]
 
 

@@ -259,6 +259,14 @@ def test_speculate_user_errors_exit_2_with_one_line(chat_checkpoint, capsys, fla
     assert message in err and err.count("\n") == 1
 
 
+def test_a_draft_folder_without_a_tokenizer_is_one_clear_error(chat_checkpoint, capsys, tmp_path):
+    (tmp_path / "config.json").write_bytes((chat_checkpoint / "config.json").read_bytes())
+    argv = ["--checkpoint", str(chat_checkpoint), "--speculate", f"draft:{tmp_path}", "--max-new-tokens", "4", "Hi"]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json" in err and err.count("\n") == 1
+
+
 def test_generate_py_speculating_prints_the_plain_answer(chat_checkpoint, capsys):
     base = ["--checkpoint", str(chat_checkpoint), "--temperature", "0", "--max-new-tokens", "30", "one two three one two three one two"]
     assert generate.main(base) == 0
