@@ -51,7 +51,7 @@ def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: 
     # The LM head is read in full even when it is the embedding table; the table as an embedding
     # is only gathered from, one row per batch row.
     weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
-    kv_bytes_per_slot = contiguous_cache(config, 1, 1, kv_dtype, model.dtype, torch.device("meta")).nbytes  # codes and scales included
+    kv_bytes_per_slot = contiguous_cache(model, 1, 1, kv_dtype, torch.device("meta")).nbytes  # codes and scales included
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
     # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)

@@ -40,7 +40,7 @@ def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions)
         return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits)
     if bits is None and model.device.type == "cuda":
         return FlashKVCache.allocate(model.config, batch, n_slots, dtype, model.device)
-    return contiguous_cache(model.config, batch, n_slots, options.kv_dtype, model.dtype, model.device)
+    return contiguous_cache(model, batch, n_slots, options.kv_dtype, model.device)
 
 
 def new_policy(model: Transformer, cache: KVCache | PagedKVCache, options: RunOptions, per_row: bool = False) -> CompressionManager | PerRowManagers | None:

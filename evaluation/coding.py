@@ -144,7 +144,7 @@ def kv_share(model: Transformer, compression: CompressionConfig, kv_dtype: str, 
     the prompt, and what is generated up to a compaction's limit) and its store, over the bytes of
     their full caches in bf16 (prompt and answer)."""
     meta = torch.device("meta")
-    per_slot = contiguous_cache(model.config, 1, 1, kv_dtype, model.dtype, meta).nbytes
+    per_slot = contiguous_cache(model, 1, 1, kv_dtype, meta).nbytes
     bf16_per_slot = KVCache.allocate(model.config, 1, 1, torch.bfloat16, meta).nbytes
     store = new_store(model.config, 1, compression, model.dtype, meta)
     limit = compression.slots_needed(0, max(new_tokens, default=0))  # generated slots a row holds at most

@@ -49,7 +49,7 @@ def nll_of(logits: torch.Tensor, window: list[int]) -> list[float]:
 
 def engine_nll(model: Transformer, window: list[int], kv_dtype: str = "auto") -> list[float]:
     """nll_of the engine's logits: one prefill of the window into an empty cache stored as kv_dtype says."""
-    cache = contiguous_cache(model.config, 1, len(window), kv_dtype, model.dtype, CPU)
+    cache = contiguous_cache(model, 1, len(window), kv_dtype, CPU)
     with torch.inference_mode():
         return nll_of(prefill(model, cache, [window], all_logits=True)[0], window)  # logits [T, V]
 

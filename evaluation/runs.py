@@ -94,7 +94,7 @@ class Run:
 def start(model: Transformer, batch: Batch, compression: CompressionConfig, n_slots: int, kv_dtype: str = "auto") -> State:
     """Prefill the prompts into a fresh cache of n_slots slots stored as `kv_dtype`, with a manager for `compression`."""
     B = len(batch.rows)
-    cache = contiguous_cache(model.config, B, n_slots, kv_dtype, model.dtype, CPU)
+    cache = contiguous_cache(model, B, n_slots, kv_dtype, CPU)
     store = new_store(model.config, B, compression, model.dtype, CPU)
     manager = CompressionManager(compression, cache, model.config.n_heads, model.rope_cos, model.rope_sin, store)
     logits = prefill(model, cache, batch.prompts, policy=manager).float()

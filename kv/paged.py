@@ -167,7 +167,7 @@ class PagedKVCache:
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         return cls(
-            *allocate_keys_and_values(shape, dtype, bits, device),
+            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=not config.qkv_bias),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters(batch, device),
             torch.arange(n_slots, device=device),

@@ -1,27 +1,31 @@
-"""A quantized KV cache's storage: keys (after RoPE) and values in 8 or 4 bits.
+"""A quantized KV cache's storage: keys (after RoPE) and values in codes of 8, 4, 3 or 2 bits.
 
 Each slot's D channels are quantized in groups of KV_GROUP (or the whole head when it is
 smaller), each group with its own step and minimum in float16, the layout llama.cpp's q8_0/q4_1
 blocks use along a row. Per slot, not per channel across slots (KIVI's keys), because slots move
 one by one: a compaction moves each kept slot with its own scales, and a decode step writes one
 slot at a time, so no group ever mixes a kept slot with an evicted one or waits for its other
-members (docs/design.md). The price, measured: keys with a few very large channels (Qwen2's) lose
-much in 4 bits (docs/quantization.md).
+members (docs/design.md). Keys below 8 bits are first turned by an orthogonal rotation (a
+Hadamard matrix over the head's channels), which spreads a few large channels over all of them,
+so that one group's range no longer has to span an outlier; q.k is unchanged, and a slot stays
+self-contained (docs/quantization.md has the measurements).
 
 A quantized cache kind is the contiguous one (kv/cache.py) over these buffers: its views write
 codes and read the slots back dequantized, in the queries' dtype, just before attention.
 """
 
+import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from errors import UserError
 from kv import KV_BITS, KV_DTYPES
-from kv.cache import KVCache, RowsView, counters
+from kv.cache import KVCache, counters, sdpa
 from models.config import ModelConfig
+from models.transformer import Transformer
 
 KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
 
@@ -30,10 +34,11 @@ class QuantizedKV(NamedTuple):
     """One cache buffer's keys or values; every part is indexed by slot like the float buffer it
     replaces, [..., S, ...], only the last dimension differs."""
 
-    codes: torch.Tensor  # [..., S, D * bits // 8] uint8; int4 two per byte, the even channel in the low nibble
+    codes: torch.Tensor  # [..., S, D * bits // 8] uint8, packed little-end first (pack_codes)
     step: torch.Tensor  # [..., S, groups] float16
     low: torch.Tensor  # [..., S, groups] float16, at or below every value of the group
-    bits: int  # 8 or 4
+    bits: int  # 8, 4, 3 or 2
+    rotation: torch.Tensor | None = None  # [D, D] orthogonal, float32: the codes hold x @ rotation; None: x itself
 
     @property
     def parts(self) -> list[torch.Tensor]:
@@ -45,56 +50,92 @@ class QuantizedKV(NamedTuple):
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedKV":
         """The same slots of every part: fn indexes (or allocates) by the leading dimensions only."""
-        return QuantizedKV(fn(self.codes), fn(self.step), fn(self.low), self.bits)
+        return QuantizedKV(fn(self.codes), fn(self.step), fn(self.low), self.bits, self.rotation)
 
 
 KV = torch.Tensor | QuantizedKV  # a cache buffer, float or quantized
 
 
-def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device) -> tuple[KV, KV]:
+def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device, rotate_keys: bool) -> tuple[KV, KV]:
     """Zeros for the keys and the values of slots of `shape` [..., S, D], each float in `dtype` or in
-    codes of its own bits (kv_storage's)."""
+    codes of its own bits (kv_storage's). Keys below 8 bits are rotated when `rotate_keys`: false
+    where a key bias stays in the codes, which the rotation would spread over every channel."""
     key_bits, value_bits = bits or (None, None)
-    return allocate_kv(shape, dtype, key_bits, device), allocate_kv(shape, dtype, value_bits, device)
+    keys = allocate_kv(shape, dtype, key_bits, device, rotated=rotate_keys and key_bits is not None and key_bits < 8)
+    return keys, allocate_kv(shape, dtype, value_bits, device)
 
 
-def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device) -> KV:
-    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes."""
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device, rotated: bool = False) -> KV:
+    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes (of the
+    slots turned by a Hadamard rotation, when `rotated`)."""
     if bits is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     *slots, D = shape
     group = min(KV_GROUP, D)
-    if D % group or D % 2:
-        raise UserError(f"a quantized KV cache needs a head dimension divisible by {KV_GROUP} (or an even one below it), and this model's is {D}; use --kv-dtype auto")
+    if D % group or D % 8 or (rotated and D & (D - 1)):
+        raise UserError(
+            f"a quantized KV cache needs a head dimension divisible by {KV_GROUP} (or by 8 below it), and a power of two for keys below 8 bits;"
+            f" this model's is {D}; use --kv-dtype auto or int8"
+        )
     return QuantizedKV(
         torch.zeros(*slots, D * bits // 8, dtype=torch.uint8, device=device),
         torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
         torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
         bits,
+        hadamard(D, device) if rotated else None,
     )
 
 
-def quantize(x: torch.Tensor, bits: int) -> QuantizedKV:
-    """x [..., D] -> codes and each group's step and minimum. The float16 minimum is rounded down
-    and the step up, so every value lies in the range the codes span: each comes back within half
-    a step of itself (the test's bound)."""
+def hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """The n x n Hadamard matrix scaled to be orthogonal, [n, n] float32 (n a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / math.sqrt(n)).to(device)
+
+
+def quantize(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None) -> QuantizedKV:
+    """x [..., D] (turned by `rotation` first, if any) -> codes and each group's step and minimum.
+    The float16 minimum is rounded down and the step up, so every value lies in the range the
+    codes span: each comes back within half a step of itself (the test's bound)."""
     levels = 2**bits - 1
-    groups = x.float().unflatten(-1, (-1, min(KV_GROUP, x.shape[-1])))  # [..., D / G, G]
+    x = x.float() if rotation is None else x.float() @ rotation
+    groups = x.unflatten(-1, (-1, min(KV_GROUP, x.shape[-1])))  # [..., D / G, G]
     low, high = groups.amin(-1), groups.amax(-1)
     # float16 rounds to nearest within 2^-11 of a value (2^-25 below its normal range): push the
     # value that far out first, and the rounding cannot come back past it.
     low = (low - low.abs() * 2**-11 - 2**-24).half()
     step = (((high - low.float()) / levels) * (1 + 2**-10) + 2**-24).half()
     codes = ((groups - low.float()[..., None]) / step.float()[..., None]).round().clamp(0, levels).to(torch.uint8).flatten(-2)
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return QuantizedKV(codes, step, low, bits)
+    return QuantizedKV(pack_codes(codes, bits), step, low, bits, rotation)
 
 
 def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., D * bits // 8] -> values [..., D] in `dtype`."""
-    groups = _codes(q).unflatten(-1, (q.step.shape[-1], -1))  # [..., D / G, G]
-    return torch.addcmul(q.low.float()[..., None], groups, q.step.float()[..., None]).flatten(-2).to(dtype)
+    """codes [..., D * bits // 8] -> values [..., D] in `dtype`, turned back if they were rotated."""
+    groups = unpack_codes(q.codes, q.bits).float().unflatten(-1, (q.step.shape[-1], -1))  # [..., D / G, G]
+    x = torch.addcmul(q.low.float()[..., None], groups, q.step.float()[..., None]).flatten(-2)  # [..., D]
+    return (x if q.rotation is None else x @ q.rotation.T).to(dtype)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., D] uint8 below 2**bits -> [..., D * bits // 8] uint8. Every 8 codes become
+    `bits` bytes, the first code in the lowest bits: for 4 bits, channel 2i is byte i's low nibble."""
+    if bits == 8:
+        return codes
+    shifts = torch.arange(8, device=codes.device) * bits
+    words = (codes.unflatten(-1, (-1, 8)).long() << shifts).sum(-1)  # [..., D / 8] of 8 * bits bits each
+    return ((words[..., None] >> (torch.arange(bits, device=codes.device) * 8)) & 255).to(torch.uint8).flatten(-2)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_codes undone: [..., D * bits // 8] uint8 -> codes [..., D] uint8."""
+    if bits == 8:
+        return packed
+    if 8 % bits == 0:  # whole codes per byte: shift each byte, no wider words
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    words = (packed.unflatten(-1, (-1, bits)).long() << (torch.arange(bits, device=packed.device) * 8)).sum(-1)  # [..., D / 8]
+    return ((words[..., None] >> (torch.arange(8, device=packed.device) * bits)) & (2**bits - 1)).to(torch.uint8).flatten(-2)
 
 
 def kv_map(kv: KV, fn: Callable[[torch.Tensor], torch.Tensor]) -> KV:
@@ -110,7 +151,7 @@ def kv_parts(kv: KV) -> list[torch.Tensor]:
 def kv_unbind(kv: KV) -> list[KV]:
     """A buffer of every layer [L, ...] as one per layer."""
     if isinstance(kv, QuantizedKV):
-        return [QuantizedKV(*parts, kv.bits) for parts in zip(*(part.unbind(0) for part in kv.parts))]
+        return [QuantizedKV(*parts, kv.bits, kv.rotation) for parts in zip(*(part.unbind(0) for part in kv.parts))]
     return list(kv.unbind(0))
 
 
@@ -121,7 +162,7 @@ def kv_nbytes(kv: KV) -> int:
 def kv_store(kv: KV, index: tuple, values: torch.Tensor) -> None:
     """kv[index] = values [..., D], quantized for a quantized buffer (index names leading dims only)."""
     if isinstance(kv, QuantizedKV):
-        for part, new in zip(kv.parts, quantize(values, kv.bits).parts):
+        for part, new in zip(kv.parts, quantize(values, kv.bits, kv.rotation).parts):
             part[index] = new
     else:
         kv[index] = values.to(kv.dtype)
@@ -152,73 +193,135 @@ def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tu
     raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS])}")
 
 
-def _codes(q: QuantizedKV) -> torch.Tensor:
-    """The codes one per channel, [..., D], as floats."""
-    codes = q.codes
-    if q.bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
-    return codes.float()
+class KeyBias(NamedTuple):
+    """A key bias taken out of the keys before they are quantized and put back as they are read.
+
+    A key is RoPE(W x + b) at its position p, so its bias part is RoPE(b) at p: known exactly from
+    the position alone. Qwen2's key biases are many times the rest of a key in a few layers, and
+    codes that have to span them leave the rest of the key a few levels (docs/quantization.md).
+    Each slot keeps its position, which a compaction moves with it like the codes.
+    """
+
+    bias: torch.Tensor  # [L, 1, H_kv, 1, D] float32 each layer's key bias before RoPE (one layer's: [1, H_kv, 1, D])
+    cos: torch.Tensor  # [P, D] the model's RoPE tables
+    sin: torch.Tensor  # [P, D]
+    positions: torch.Tensor  # [L, B, H_kv, S] int32 the absolute position each slot holds (one layer's: [B, H_kv, S])
+
+    def part(self, positions: torch.Tensor) -> torch.Tensor:
+        """The bias part of keys at positions [..., H_kv, S] (or broadcast to it): [..., H_kv, S, D] float32."""
+        first, second = self.bias.chunk(2, dim=-1)
+        turned = torch.cat((-second, first), dim=-1)  # RoPE's pairs are (i, i + D/2), as in models/rope.py
+        return self.bias * self.cos[positions] + turned * self.sin[positions]
+
+    def layer(self, index: int, n_slots: int | None) -> "KeyBias":
+        return KeyBias(self.bias[index], self.cos, self.sin, self.positions[index, :, :, :n_slots])
 
 
-class QuantizedRowsView(RowsView):
+def model_key_bias(model: Transformer, batch: int, n_slots: int, device: torch.device) -> KeyBias | None:
+    """The KeyBias of a model whose key projection has a bias, with every slot's position 0; None without one."""
+    if not model.config.qkv_bias:
+        return None
+    attention = model.layers[0].attn
+    first = attention.n_heads * attention.head_dim  # wqkv's rows: queries, then keys, then values
+    rows = slice(first, first + attention.n_kv_heads * attention.head_dim)
+    bias = torch.stack([layer.attn.wqkv.bias[rows].float().view(attention.n_kv_heads, 1, attention.head_dim) for layer in model.layers])
+    positions = torch.zeros(len(model.layers), batch, attention.n_kv_heads, n_slots, dtype=torch.int32, device=device)
+    return KeyBias(bias[:, None].to(device), model.rope_cos.to(device), model.rope_sin.to(device), positions)
+
+
+def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.Tensor:
+    """Keys [..., H_kv, S, D] in `dtype`, their bias put back (key_bias covers the same slots)."""
+    if key_bias is None:
+        return kv_read(keys, dtype)
+    return (kv_read(keys, torch.float32) + key_bias.part(key_bias.positions)).to(dtype)
+
+
+class QuantizedRowsView(NamedTuple):
     """One layer of a quantized contiguous cache: codes in, floats out."""
+
+    k: KV  # [B, H_kv, S, ...] codes
+    v: KV
+    key_bias: KeyBias | None = None  # this layer's
+    slot_offset: torch.Tensor | None = None  # [B, 1] position - length: a new token at slot s has position slot_offset + s
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
         index = (rows, slice(None), slots)  # [B, T, H_kv, D] into slots [B, T]
-        kv_store(self.k, index, k.transpose(1, 2))
+        keys = k.transpose(1, 2)
+        if self.key_bias is not None:
+            positions = self.slot_offset + slots  # [B, T]
+            self.key_bias.positions[index] = positions[..., None].to(torch.int32)
+            keys = keys - self.key_bias.part(positions[:, None]).transpose(1, 2)  # [B, T, H_kv, D]
+        kv_store(self.k, index, keys)
         kv_store(self.v, index, v.transpose(1, 2))
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_read(self.k, dtype), kv_read(self.v, dtype)
+        return read_keys(self.k, self.key_bias, dtype), kv_read(self.v, dtype)
+
+    def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, *self.read(q.dtype), mask)
 
     def slots_read(self) -> list[tuple[torch.Tensor, int]]:
-        return [(part, 2) for part in kv_parts(self.k) + kv_parts(self.v)]  # [B, H_kv, S, ...]
+        parts = kv_parts(self.k) + kv_parts(self.v) + ([] if self.key_bias is None else [self.key_bias.positions])
+        return [(part, 2) for part in parts]  # [B, H_kv, S, ...]
 
 
+@dataclass
 class QuantizedKVCache(KVCache):
-    """The contiguous cache with keys and values in codes (QuantizedKV), read back in `dtype`."""
+    """The contiguous cache with keys and values in codes (QuantizedKV), read back in `dtype`; a
+    model's key bias, if it has one, is kept out of the codes (KeyBias)."""
 
-    view = QuantizedRowsView
+    key_bias: KeyBias | None = None
 
     @classmethod
-    def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int]) -> "QuantizedKVCache":
+    def allocate(
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], key_bias: KeyBias | None = None
+    ) -> "QuantizedKVCache":
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
-        return cls(*allocate_keys_and_values(shape, dtype, bits, device), *counters(batch, device), torch.arange(n_slots, device=device), dtype)
+        keys_and_values = allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=True)
+        return cls(*keys_and_values, *counters(batch, device), torch.arange(n_slots, device=device), dtype, key_bias)
 
     def slot_shape(self) -> tuple[int, int, int, int, int]:
         return tuple(kv_shape(self.k))
 
     def buffers(self) -> list[torch.Tensor]:
-        return kv_parts(self.k) + kv_parts(self.v)
+        return kv_parts(self.k) + kv_parts(self.v) + ([] if self.key_bias is None else [self.key_bias.positions])
 
     def layers(self, n_slots: int | None) -> list[QuantizedRowsView]:
         k, v = self.k, self.v
         if n_slots is not None:
             k, v = (kv_map(kv, lambda t: t[:, :, :, :n_slots]) for kv in (k, v))
-        return [self.view(*layer) for layer in zip(kv_unbind(k), kv_unbind(v))]
+        if self.key_bias is None:
+            return [QuantizedRowsView(*layer) for layer in zip(kv_unbind(k), kv_unbind(v))]
+        offset = (self.position - self.length)[:, None]  # [B, 1]
+        return [QuantizedRowsView(k_l, v_l, self.key_bias.layer(i, n_slots), offset) for i, (k_l, v_l) in enumerate(zip(kv_unbind(k), kv_unbind(v)))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
-        return kv_read(kv_map(self.k, lambda t: t[layer, :, :, :n_slots]), self.dtype)
+        key_bias = None if self.key_bias is None else self.key_bias.layer(layer, n_slots)
+        return read_keys(kv_map(self.k, lambda t: t[layer, :, :, :n_slots]), key_bias, self.dtype)
 
     def all_keys(self) -> torch.Tensor:
-        return kv_read(self.k, self.dtype)
+        return read_keys(self.k, self.key_bias, self.dtype)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         def pick(part: torch.Tensor) -> torch.Tensor:
             return part.gather(3, slots[..., None].expand(*slots.shape, part.shape[-1]))
 
-        return kv_read(kv_map(self.k, pick), self.dtype), kv_read(kv_map(self.v, pick), self.dtype)
+        key_bias = None if self.key_bias is None else self.key_bias._replace(positions=self.key_bias.positions.gather(3, slots))
+        return read_keys(kv_map(self.k, pick), key_bias, self.dtype), kv_read(kv_map(self.v, pick), self.dtype)
 
     def row(self, b: int) -> "QuantizedKVCache":
         rows = slice(b, b + 1)
         k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
-        return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows])
+        key_bias = None if self.key_bias is None else self.key_bias._replace(positions=self.key_bias.positions[:, rows])
+        return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows], key_bias=key_bias)
 
 
-def contiguous_cache(config: ModelConfig, batch: int, n_slots: int, kv_dtype: str, model_dtype: torch.dtype, device: torch.device) -> KVCache:
-    """The contiguous cache --kv-dtype asks for: floats, or codes read back in the model's dtype."""
-    dtype, bits = kv_storage(kv_dtype, model_dtype)
+def contiguous_cache(model: Transformer, batch: int, n_slots: int, kv_dtype: str, device: torch.device) -> KVCache:
+    """The contiguous cache --kv-dtype asks for: floats, or codes read back in the model's dtype
+    (keys below 8 bits with the model's key bias, if any, kept out of the codes)."""
+    dtype, bits = kv_storage(kv_dtype, model.dtype)
     if bits is None:
-        return KVCache.allocate(config, batch, n_slots, dtype, device)
-    return QuantizedKVCache.allocate(config, batch, n_slots, dtype, device, bits)
+        return KVCache.allocate(model.config, batch, n_slots, dtype, device)
+    key_bias = model_key_bias(model, batch, n_slots, device) if bits[0] < 8 else None
+    return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias)

@@ -114,7 +114,7 @@ class KVStore:
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
         pages = (config.n_layers, batch, config.n_kv_heads, n_slots // STORE_PAGE, config.head_dim)
         return cls(
-            *allocate_keys_and_values(shape, dtype, bits, device),
+            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=not config.qkv_bias),
             torch.zeros(shape[:-1], dtype=torch.int64, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),

@@ -26,7 +26,8 @@ from kv.paged import PageConfig, PagedKVCache
 from engine.sampling import RowSampling, SamplingConfig, sample
 from errors import UserError
 from models.config import ModelConfig
-from kv.quantized import contiguous_cache, kv_storage
+from kv.cache import KVCache
+from kv.quantized import kv_storage
 from models.quantized import Int4Linear, QuantizedWeight, cuda_int4_inner_k_tiles, quantized_linear
 from models.transformer import Transformer
 from weights.forms import load_model
@@ -278,7 +279,7 @@ def flash_calls(config: ModelConfig, model_dtype: torch.dtype, kv_dtype: str, bl
     cache_dtype, bits = kv_storage(kv_dtype, model_dtype)
     with fake_device() as recorded:
         if block is None:
-            layer = contiguous_cache(config, 2, 512, kv_dtype, model_dtype, META).layers(None)[0]
+            layer = KVCache.allocate(config, 2, 512, cache_dtype, META).layers(None)[0]  # flash-attn reads floats only
             table = None
         else:
             cache = PagedKVCache.allocate(config, 2, 512, cache_dtype, META, PageConfig(block), bits=bits)

@@ -14,7 +14,7 @@ from kv.cache import KVCache, RowsView
 from kv.paged import PageConfig, PagedKVCache, PagedView
 from errors import UserError
 from models.config import ModelConfig
-from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, dequantize, kv_storage, quantize
+from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, contiguous_cache, dequantize, hadamard, kv_storage, pack_codes, quantize, unpack_codes
 from weights.forms import load_model
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def hard_values(*shape: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_every_value_comes_back_within_half_a_step_of_its_group(bits):
     x = hard_values(3, 4, 64)
     q = quantize(x, bits)
@@ -67,7 +67,43 @@ def test_int4_codes_pack_the_even_channel_in_the_low_nibble():
     assert torch.equal(dequantize(q, torch.float32).round(), x)
 
 
-@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_codes_pack_as_a_little_endian_bit_string(bits):
+    """Brute force: code i occupies bits i*bits .. (i+1)*bits - 1 of the row, counted from byte 0's lowest bit."""
+    torch.manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (3, 64 * bits // 8)
+    for row in range(3):
+        stream = "".join(f"{byte:08b}"[::-1] for byte in packed[row].tolist())  # lowest bit first
+        assert [int(stream[i * bits : (i + 1) * bits][::-1], 2) for i in range(64)] == codes[row].tolist()
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_rotated_keys_keep_every_query_key_product_and_come_back_within_half_a_step():
+    """The Hadamard rotation is orthogonal (float64 reference), so q.k is the same in either basis;
+    rotated codes decode to the original basis, within half a step of the rotated values."""
+    D = 64
+    rotation = hadamard(D, CPU)
+    assert torch.allclose(rotation.double() @ rotation.double().T, torch.eye(D, dtype=torch.float64), atol=1e-6)
+    k, q = hard_values(5, 2, D), torch.randn(3, D) * 4
+    turned = k.double() @ rotation.double()
+    assert torch.allclose((q.double() @ rotation.double()) @ turned.transpose(-1, -2), q.double() @ k.double().transpose(-1, -2), rtol=1e-9, atol=1e-6)
+    for bits in (4, 3, 2):
+        code = quantize(k, bits, rotation)
+        back_turned = dequantize(code, torch.float64) @ rotation.double()  # the values the codes hold, in the rotated basis
+        half_step = code.step.double().repeat_interleave(KV_GROUP, -1) / 2
+        assert ((back_turned - turned).abs() <= half_step * (1 + 1e-4) + 1e-5).all()
+
+
+def test_keys_below_8_bits_are_rotated_and_values_never():
+    config = config_of(64)
+    for bits, rotated in (((8, 4), False), ((4, 8), True), ((3, 2), True), ((2, 2), True)):
+        cache = QuantizedKVCache.allocate(config, 1, 4, torch.float32, CPU, bits)
+        assert (cache.k.rotation is not None) == rotated and cache.v.rotation is None
+
+
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4), (4, 3), (3, 2)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_copy(bits, paged):
     """A written layer holds codes; attend() over it equals a float64 softmax over what the codes decode to."""
@@ -88,7 +124,7 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
         assert isinstance(layer, QuantizedRowsView)
     assert isinstance(layer.k, QuantizedKV)
     layer.write(k, v, slots)
-    keys = dequantize(quantize(k, bits[0]), torch.float64)
+    keys = dequantize(quantize(k, bits[0], hadamard(D, CPU) if bits[0] < 8 else None), torch.float64)
     values = dequantize(quantize(v, bits[1]), torch.float64)
     G = H // H_kv
     # A decode step (one query per row, straight from the codes) and a prefill's last 3 queries
@@ -107,7 +143,7 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
     assert torch.equal(cache.keys(0, S), keys.float())
 
 
-@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4)])
+@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4), (3, 2)])
 def test_compaction_moves_each_slots_scales_with_its_codes(bits):
     """After a compaction the slots hold what they held before, scales included, in both layouts."""
     torch.manual_seed(2)
@@ -135,18 +171,73 @@ def test_compaction_moves_each_slots_scales_with_its_codes(bits):
             assert torch.equal(after[:, b, :, :P], before[:, b, :, :P])
 
 
+def biased_keys(model, positions: torch.Tensor, rest: float) -> torch.Tensor:
+    """Keys [B, H_kv, T, D] as a key-biased model makes them: RoPE(bias + x) at positions [B, T], x of size `rest`."""
+    from models.rope import apply_rope
+
+    attention = model.layers[0].attn
+    first = attention.n_heads * attention.head_dim
+    bias = attention.wqkv.bias[first : first + attention.n_kv_heads * attention.head_dim].view(1, attention.n_kv_heads, 1, attention.head_dim)
+    x = bias + torch.randn(positions.shape[0], attention.n_kv_heads, positions.shape[1], attention.head_dim) * rest
+    return apply_rope(x, model.rope_cos[positions], model.rope_sin[positions])
+
+
+def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(tiny_checkpoint):
+    """Keys whose bias is 1000x the rest (Qwen2's are up to 30x): read back within half a step of
+    the rest alone, where codes spanning the bias would lose the rest entirely. Positions follow
+    the counters (a row whose position runs ahead of its length, as after a compaction) and move
+    with their slots in a compaction."""
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.wqkv.bias.mul_(1000 / layer.attn.wqkv.bias.abs().max())
+    cache = contiguous_cache(model, 2, 12, "int4", CPU)
+    assert cache.key_bias is not None and cache.k.rotation is not None
+    cache.position += torch.tensor([0, 30])  # row 1's slots hold positions 30 onward
+    positions = cache.position[:, None] + torch.arange(12)  # [B, T]
+    torch.manual_seed(5)
+    k = biased_keys(model, positions, rest=1.0)
+    for layer, view in enumerate(cache.layers(12)):
+        view.write(k, torch.randn_like(k), torch.arange(12).expand(2, 12))
+    assert torch.equal(cache.key_bias.positions[0, :, 0].long(), positions)
+    error = (cache.keys(0, 12) - k).abs().max().item()
+    assert error < 0.5, error  # the rest spans about 8 at 4 bits: a step of ~0.5; the bias alone spans ~2000
+    unbiased = contiguous_cache(model, 2, 12, "int4", CPU)
+    unbiased.key_bias = None  # what the codes would hold with the bias in them
+    unbiased.k = unbiased.k._replace(rotation=None)
+    unbiased.layers(12)[0].write(k, k, torch.arange(12).expand(2, 12))
+    assert (unbiased.keys(0, 12) - k).abs().max().item() > 20 * error
+    before = cache.all_keys().clone()
+    keep = torch.tensor([1, 4, 6]).expand(model.config.n_layers, 2, model.config.n_kv_heads, 3)
+    cache.compact([], torch.tensor([2, 2]), keep, 8, 2)
+    moved = 2 + torch.cat([keep, 8 + torch.arange(2).expand(*keep.shape[:-1], 2)], dim=-1)  # kept, then the window
+    after = cache.all_keys()[:, :, :, 2:7]
+    assert torch.allclose(after, before.gather(3, moved[..., None].expand(*moved.shape, before.shape[-1])), atol=1e-3)
+
+
 def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
     """int4 of a 64-channel head: 32 bytes of codes and 2 groups x (step, minimum) x 2 bytes per slot."""
     config = config_of(64, n_layers=3)
-    per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8}  # one head's K and V, bfloat16 or codes + scales
+    per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8, (4, 3): 32 + 8 + 24 + 8, (3, 2): 24 + 8 + 16 + 8, (2, 2): 2 * (16 + 8)}  # one head's K and V, bfloat16 or codes + scales
     for bits, expected in per_slot.items():
         cache = QuantizedKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits)
         assert cache.nbytes == 3 * 2 * 2 * 10 * expected  # layers, rows, heads, slots
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cache(kv_dtype, tiny_checkpoint):
+def test_a_key_biased_cache_counts_each_slots_position(tiny_checkpoint):
     model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    c = model.config
+    heads = c.n_layers * c.n_kv_heads
+    codes = lambda bits: c.head_dim * bits // 8 + 4 * max(1, c.head_dim // KV_GROUP)  # codes, then a step and a minimum per group
+    assert contiguous_cache(model, 1, 1, "k4v2", CPU).nbytes == heads * (codes(4) + 4 + codes(2))  # + an int32 position per key
+    assert contiguous_cache(model, 1, 1, "k8v4", CPU).nbytes == heads * (codes(8) + codes(4))  # 8-bit keys keep their bias
+
+
+@pytest.mark.parametrize("kv_dtype, arch", [("int8", "qwen2"), ("int4", "llama"), ("k3v2", "llama")])
+def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cache(kv_dtype, arch, tiny_checkpoint):
+    """Below 8 bits a key-biased model's contiguous cache keeps the bias out of the codes and the
+    paged one does not (docs/quantization.md), so there they agree on a model without one."""
+    model = load_model(tiny_checkpoint(arch)[0], torch.float32, CPU)
     prompts = prompts_of([5, 30, 12], seed=3)
     for policy in POLICIES:
         compression = CompressionConfig(**{**SMALL.__dict__, "policy": policy})
@@ -160,7 +251,7 @@ def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cach
 def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
-    for kv_dtype in ("int8", "int4", "k8v4"):
+    for kv_dtype in ("int8", "int4", "k8v4", "k4v3", "int2"):
         eager = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype))
         compiled = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype, compile=True))
         assert compiled.tokens == eager.tokens, kv_dtype
@@ -193,11 +284,15 @@ def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, m
 
 
 def test_bad_kv_options_get_one_clear_error():
-    with pytest.raises(UserError, match="unknown --kv-dtype 'int2'"):
-        kv_storage("int2", torch.float32)
+    with pytest.raises(UserError, match="unknown --kv-dtype 'int5'"):
+        kv_storage("int5", torch.float32)
+    assert kv_storage("k4v3", torch.float32) == (torch.float32, (4, 3))
     config = config_of(40)
     with pytest.raises(UserError, match="head dimension divisible by 32"):
         QuantizedKVCache.allocate(config, 1, 4, torch.float32, CPU, (4, 4))
+    with pytest.raises(UserError, match="a power of two for keys below 8 bits"):
+        QuantizedKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (4, 4))
+    QuantizedKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (8, 4))  # values are not rotated
 
 
 def test_bench_counts_the_codes_and_scales_a_step_reads(tiny_checkpoint):
