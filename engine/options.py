@@ -7,6 +7,7 @@ one place that picks them from the options the scripts parse.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, PerRowManagers, new_store
@@ -19,7 +20,7 @@ from errors import UserError
 from kv.cache import KVCache
 from kv.flash import FlashKVCache
 from kv.paged import PageConfig, PagedKVCache
-from kv.quantized import contiguous_cache, kv_storage
+from kv.quantized import contiguous_cache, kv_storage, model_key_bias
 from models.transformer import Transformer
 
 
@@ -37,7 +38,8 @@ def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions)
     """The cache kind the options ask for, `batch` rows of up to n_slots slots."""
     dtype, bits = kv_storage(options.kv_dtype, model.dtype)
     if options.pages is not None:
-        return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits)
+        key_bias = partial(model_key_bias, model, device=model.device)
+        return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits, key_bias=key_bias)
     if bits is None and model.device.type == "cuda":
         return FlashKVCache.allocate(model.config, batch, n_slots, dtype, model.device)
     return contiguous_cache(model, batch, n_slots, options.kv_dtype, model.device)

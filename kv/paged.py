@@ -12,6 +12,7 @@ an idle row of a continuous batch (which still runs through the fixed-shape step
 Slots and positions work as in the contiguous cache (kv/cache.py).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -21,7 +22,7 @@ from errors import UserError
 from kv import flash
 from kv.cache import counters, sdpa
 from kv.compaction import BITS, compact_in_place, compaction_moves
-from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_store, kv_unbind
+from kv.quantized import KV, KeyBias, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
 from models.config import ModelConfig
 
 SCRATCH_BLOCK = 0
@@ -55,22 +56,32 @@ def gather_pages(pool: torch.Tensor, pages: Pages) -> torch.Tensor:
     return pool[..., pages.blocks, pages.heads, pages.offsets, :]
 
 
+def paged_key_bias(key_bias: KeyBias | None, pages: Pages) -> KeyBias | None:
+    """key_bias (its positions a pool [..., n_blocks, H_kv, block_size]) over the slots `pages` reads."""
+    if key_bias is None:
+        return None
+    return key_bias._replace(positions=key_bias.positions[..., pages.blocks, pages.heads, pages.offsets])
+
+
 class PagedView(NamedTuple):
     """One layer of the paged cache: row b's slot s lies in block pages.table[b, s // block]."""
 
     k: KV  # [n_blocks, H_kv, block, D] the layer's pool
     v: KV  # [n_blocks, H_kv, block, D]
     pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
+    key_bias: KeyBias | None = None  # this layer's, its positions a pool [n_blocks, H_kv, block] (kv/quantized.py)
+    slot_offset: torch.Tensor | None = None  # [B, 1] position - length: a new token at slot s has position slot_offset + s
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         blocks, offsets = page_address(self.pages.table, slots, kv_parts(self.k)[0].shape[2])  # [B, T] each
         index = (blocks, slice(None), offsets)  # [B, T, H_kv, D] into their blocks
-        kv_store(self.k, index, k.transpose(1, 2))
+        write_keys(self.k, self.key_bias, index, k, None if self.slot_offset is None else self.slot_offset + slots)
         kv_store(self.v, index, v.transpose(1, 2))
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's first S slots gathered from the pool, [B, H_kv, S, D] each."""
-        return tuple(kv_read(kv_map(kv, lambda pool: gather_pages(pool, self.pages)), dtype) for kv in (self.k, self.v))
+        k, v = (kv_map(kv, lambda pool: gather_pages(pool, self.pages)) for kv in (self.k, self.v))
+        return read_keys(k, paged_key_bias(self.key_bias, self.pages), dtype), kv_read(v, dtype)
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
         """flash-attn reads a decode step's slots in use through the block table itself, where it
@@ -153,26 +164,30 @@ class PagedKVCache:
     slot_ids: torch.Tensor  # [S] 0..S-1, S the slots a row may hold (its table's blocks hold up to a block more)
     dtype: torch.dtype  # what the keys and values read back as: the buffers' own, or a quantized cache's model dtype
     blocks: BlockManager  # host: which blocks each row holds, and which are free
+    key_bias: KeyBias | None = None  # quantized keys of a key-biased model: the bias kept out of the codes, positions [L, n_blocks, H_kv, block_size]
 
     @classmethod
     def allocate(
         cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
-        pages: PageConfig = PageConfig(), *, bits: tuple[int, int] | None = None,
+        pages: PageConfig = PageConfig(), *, bits: tuple[int, int] | None = None, key_bias: Callable[[tuple[int, ...]], KeyBias | None] | None = None,
     ) -> "PagedKVCache":
         """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
         pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
-        cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones read back in it."""
+        cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones read back in it.
+        key_bias: makes the KeyBias of a pool of this slot layout (kv.quantized.model_key_bias), for quantized keys."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
+        bias = key_bias(shape[1:-1]) if key_bias is not None and bits is not None else None
         return cls(
-            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=not config.qkv_bias),
+            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=bias is not None or not config.qkv_bias),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters(batch, device),
             torch.arange(n_slots, device=device),
             dtype,
             BlockManager.of(n_blocks, batch),
+            bias,
         )
 
     @property
@@ -199,15 +214,19 @@ class PagedKVCache:
         contiguous cache's does, so that both attend over the same shape."""
         return self.slot_ids.shape[0]
 
+    def pools(self) -> list[torch.Tensor]:
+        """Every tensor indexed by pool slot, [L, n_blocks, H_kv, block_size, ...]: codes, scales and positions."""
+        return kv_parts(self.k) + kv_parts(self.v) + ([] if self.key_bias is None else [self.key_bias.positions])
+
     @property
     def nbytes(self) -> int:
-        """The pool's K and V with their scales."""
-        return kv_nbytes(self.k) + kv_nbytes(self.v)
+        """The pool's K and V with their scales (and positions)."""
+        return sum(pool.nbytes for pool in self.pools())
 
     @property
     def block_bytes(self) -> int:
         """K and V bytes of one block, over every layer."""
-        return (kv_nbytes(self.k) + kv_nbytes(self.v)) // self.pool_blocks
+        return self.nbytes // self.pool_blocks
 
     @property
     def peak_bytes(self) -> int:
@@ -219,17 +238,22 @@ class PagedKVCache:
         n_slots of them), for a forward pass. The table is the whole one for every n_slots, so a
         compiled step does not specialise on it."""
         pages = self._pages(self.n_slots if n_slots is None else n_slots)
-        return [PagedView(k, v, pages) for k, v in zip(kv_unbind(self.k), kv_unbind(self.v))]
+        if self.key_bias is None:
+            return [PagedView(k, v, pages) for k, v in zip(kv_unbind(self.k), kv_unbind(self.v))]
+        offset = (self.position - self.length)[:, None]  # [B, 1]
+        return [PagedView(k, v, pages, self.key_bias.layer(i, None), offset) for i, (k, v) in enumerate(zip(kv_unbind(self.k), kv_unbind(self.v)))]
 
     def keys(self, layer: int, n_slots: int) -> torch.Tensor:
         """One layer's keys of the first n_slots slots of every row, [B, H_kv, n_slots, D]."""
         pages = self._pages(n_slots)
-        return kv_read(kv_map(self.k, lambda pool: gather_pages(pool[layer], pages)), self.dtype)
+        key_bias = None if self.key_bias is None else paged_key_bias(self.key_bias.layer(layer, None), pages)
+        return read_keys(kv_map(self.k, lambda pool: gather_pages(pool[layer], pages)), key_bias, self.dtype)
 
     def all_keys(self) -> torch.Tensor:
         """Every layer's keys of every slot, [L, B, H_kv, S, D]."""
         pages = self._pages(self.n_slots)
-        return kv_read(kv_map(self.k, lambda pool: gather_pages(pool, pages)), self.dtype)
+        key_bias = paged_key_bias(self.key_bias, pages)
+        return read_keys(kv_map(self.k, lambda pool: gather_pages(pool, pages)), key_bias, self.dtype)
 
     def _pages(self, n_slots: int) -> Pages:
         """Where the first n_slots slots of every row lie in the pool."""
@@ -243,13 +267,14 @@ class PagedKVCache:
         def gather(pool: torch.Tensor) -> torch.Tensor:
             return torch.stack([pool[layer][blocks, heads, offsets] for layer, (blocks, offsets) in enumerate(addresses)])
 
-        return kv_read(kv_map(self.k, gather), self.dtype), kv_read(kv_map(self.v, gather), self.dtype)
+        key_bias = None if self.key_bias is None else self.key_bias._replace(positions=gather(self.key_bias.positions))
+        return read_keys(kv_map(self.k, gather), key_bias, self.dtype), kv_read(kv_map(self.v, gather), self.dtype)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         """Compact each row into the front of its own blocks, and the caller's per-slot buffers
         [L, B, H_kv, S, ...] as compact_in_place does; the blocks left empty are for `fit` to return."""
         source, target = compaction_moves(prompt_length, keep, n_candidates, window)
-        for pool in kv_parts(self.k) + kv_parts(self.v):
+        for pool in self.pools():
             self._move_slots(pool, source, target)
         compact_in_place(buffers, prompt_length, keep, n_candidates, window)
 

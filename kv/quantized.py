@@ -5,10 +5,12 @@ smaller), each group with its own step and minimum in float16, the layout llama.
 blocks use along a row. Per slot, not per channel across slots (KIVI's keys), because slots move
 one by one: a compaction moves each kept slot with its own scales, and a decode step writes one
 slot at a time, so no group ever mixes a kept slot with an evicted one or waits for its other
-members (docs/design.md). Keys below 8 bits are first turned by an orthogonal rotation (a
-Hadamard matrix over the head's channels), which spreads a few large channels over all of them,
-so that one group's range no longer has to span an outlier; q.k is unchanged, and a slot stays
-self-contained (docs/quantization.md has the measurements).
+members (docs/design.md). Two things make keys fit fewer bits (docs/quantization.md):
+- a model's key bias (Qwen2's) is taken out before quantizing and put back from the slot's
+  position (KeyBias): it is known exactly, and it dwarfs the rest of a key in a few layers;
+- keys below 8 bits are turned by an orthogonal rotation (a Hadamard matrix over the head's
+  channels), which spreads a few large channels over all of them, so that one group's range no
+  longer has to span an outlier. q.k is unchanged, and a slot stays self-contained.
 
 A quantized cache kind is the contiguous one (kv/cache.py) over these buffers: its views write
 codes and read the slots back dequantized, in the queries' dtype, just before attention.
@@ -59,7 +61,7 @@ KV = torch.Tensor | QuantizedKV  # a cache buffer, float or quantized
 def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device, rotate_keys: bool) -> tuple[KV, KV]:
     """Zeros for the keys and the values of slots of `shape` [..., S, D], each float in `dtype` or in
     codes of its own bits (kv_storage's). Keys below 8 bits are rotated when `rotate_keys`: false
-    where a key bias stays in the codes, which the rotation would spread over every channel."""
+    where a key bias stays in the codes (the store's), which the rotation would spread over every channel."""
     key_bits, value_bits = bits or (None, None)
     keys = allocate_kv(shape, dtype, key_bits, device, rotated=rotate_keys and key_bits is not None and key_bits < 8)
     return keys, allocate_kv(shape, dtype, value_bits, device)
@@ -217,23 +219,34 @@ class KeyBias(NamedTuple):
         return KeyBias(self.bias[index], self.cos, self.sin, self.positions[index, :, :, :n_slots])
 
 
-def model_key_bias(model: Transformer, batch: int, n_slots: int, device: torch.device) -> KeyBias | None:
-    """The KeyBias of a model whose key projection has a bias, with every slot's position 0; None without one."""
+def model_key_bias(model: Transformer, slots: tuple[int, ...], device: torch.device) -> KeyBias | None:
+    """The KeyBias of a model whose key projection has a bias, with positions [L, *slots] (the
+    cache's slot layout, e.g. [L, B, H_kv, S]) all 0; None without a bias."""
     if not model.config.qkv_bias:
         return None
     attention = model.layers[0].attn
     first = attention.n_heads * attention.head_dim  # wqkv's rows: queries, then keys, then values
     rows = slice(first, first + attention.n_kv_heads * attention.head_dim)
     bias = torch.stack([layer.attn.wqkv.bias[rows].float().view(attention.n_kv_heads, 1, attention.head_dim) for layer in model.layers])
-    positions = torch.zeros(len(model.layers), batch, attention.n_kv_heads, n_slots, dtype=torch.int32, device=device)
+    positions = torch.zeros(len(model.layers), *slots, dtype=torch.int32, device=device)
     return KeyBias(bias[:, None].to(device), model.rope_cos.to(device), model.rope_sin.to(device), positions)
 
 
 def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.Tensor:
-    """Keys [..., H_kv, S, D] in `dtype`, their bias put back (key_bias covers the same slots)."""
+    """Keys [..., H_kv, S, D] in `dtype`, their bias put back (key_bias's positions cover the same slots)."""
     if key_bias is None:
         return kv_read(keys, dtype)
     return (kv_read(keys, torch.float32) + key_bias.part(key_bias.positions)).to(dtype)
+
+
+def write_keys(keys: KV, key_bias: KeyBias | None, index: tuple, k: torch.Tensor, positions: torch.Tensor) -> None:
+    """The new keys k [B, H_kv, T, D] at positions [B, T] into `index` (their slots' [B, T]), without
+    their bias part, whose positions go into the same slots of key_bias's."""
+    k = k.transpose(1, 2)  # [B, T, H_kv, D]
+    if key_bias is not None:
+        key_bias.positions[index] = positions[..., None].to(torch.int32)
+        k = k - key_bias.part(positions[:, None]).transpose(1, 2)
+    kv_store(keys, index, k)
 
 
 class QuantizedRowsView(NamedTuple):
@@ -247,12 +260,7 @@ class QuantizedRowsView(NamedTuple):
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
         index = (rows, slice(None), slots)  # [B, T, H_kv, D] into slots [B, T]
-        keys = k.transpose(1, 2)
-        if self.key_bias is not None:
-            positions = self.slot_offset + slots  # [B, T]
-            self.key_bias.positions[index] = positions[..., None].to(torch.int32)
-            keys = keys - self.key_bias.part(positions[:, None]).transpose(1, 2)  # [B, T, H_kv, D]
-        kv_store(self.k, index, keys)
+        write_keys(self.k, self.key_bias, index, k, None if self.slot_offset is None else self.slot_offset + slots)
         kv_store(self.v, index, v.transpose(1, 2))
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,9 +327,9 @@ class QuantizedKVCache(KVCache):
 
 def contiguous_cache(model: Transformer, batch: int, n_slots: int, kv_dtype: str, device: torch.device) -> KVCache:
     """The contiguous cache --kv-dtype asks for: floats, or codes read back in the model's dtype
-    (keys below 8 bits with the model's key bias, if any, kept out of the codes)."""
+    (with the model's key bias, if any, kept out of the codes)."""
     dtype, bits = kv_storage(kv_dtype, model.dtype)
     if bits is None:
         return KVCache.allocate(model.config, batch, n_slots, dtype, device)
-    key_bias = model_key_bias(model, batch, n_slots, device) if bits[0] < 8 else None
+    key_bias = model_key_bias(model, (batch, model.config.n_kv_heads, n_slots), device)
     return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias)

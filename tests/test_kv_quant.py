@@ -9,7 +9,7 @@ import torch
 
 from benchmark.memory import decode_traffic
 from compression.config import POLICIES, CompressionConfig
-from engine.options import RunOptions, generate
+from engine.options import RunOptions, generate, new_cache
 from kv.cache import KVCache, RowsView
 from kv.paged import PageConfig, PagedKVCache, PagedView
 from errors import UserError
@@ -182,7 +182,8 @@ def biased_keys(model, positions: torch.Tensor, rest: float) -> torch.Tensor:
     return apply_rope(x, model.rope_cos[positions], model.rope_sin[positions])
 
 
-def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(tiny_checkpoint):
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(paged, tiny_checkpoint):
     """Keys whose bias is 1000x the rest (Qwen2's are up to 30x): read back within half a step of
     the rest alone, where codes spanning the bias would lose the rest entirely. Positions follow
     the counters (a row whose position runs ahead of its length, as after a compaction) and move
@@ -191,7 +192,9 @@ def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(tiny_checkpoin
     with torch.no_grad():
         for layer in model.layers:
             layer.attn.wqkv.bias.mul_(1000 / layer.attn.wqkv.bias.abs().max())
-    cache = contiguous_cache(model, 2, 12, "int4", CPU)
+    cache = new_cache(model, 2, 12, RunOptions(kv_dtype="int4", pages=PageConfig(block_size=4) if paged else None))
+    for row in range(2 if paged else 0):
+        cache.fit(row, 12)
     assert cache.key_bias is not None and cache.k.rotation is not None
     cache.position += torch.tensor([0, 30])  # row 1's slots hold positions 30 onward
     positions = cache.position[:, None] + torch.arange(12)  # [B, T]
@@ -199,11 +202,9 @@ def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(tiny_checkpoin
     k = biased_keys(model, positions, rest=1.0)
     for layer, view in enumerate(cache.layers(12)):
         view.write(k, torch.randn_like(k), torch.arange(12).expand(2, 12))
-    assert torch.equal(cache.key_bias.positions[0, :, 0].long(), positions)
     error = (cache.keys(0, 12) - k).abs().max().item()
     assert error < 0.5, error  # the rest spans about 8 at 4 bits: a step of ~0.5; the bias alone spans ~2000
-    unbiased = contiguous_cache(model, 2, 12, "int4", CPU)
-    unbiased.key_bias = None  # what the codes would hold with the bias in them
+    unbiased = QuantizedKVCache.allocate(model.config, 2, 12, torch.float32, CPU, (4, 4))  # the codes with the bias in them
     unbiased.k = unbiased.k._replace(rotation=None)
     unbiased.layers(12)[0].write(k, k, torch.arange(12).expand(2, 12))
     assert (unbiased.keys(0, 12) - k).abs().max().item() > 20 * error
@@ -230,13 +231,12 @@ def test_a_key_biased_cache_counts_each_slots_position(tiny_checkpoint):
     heads = c.n_layers * c.n_kv_heads
     codes = lambda bits: c.head_dim * bits // 8 + 4 * max(1, c.head_dim // KV_GROUP)  # codes, then a step and a minimum per group
     assert contiguous_cache(model, 1, 1, "k4v2", CPU).nbytes == heads * (codes(4) + 4 + codes(2))  # + an int32 position per key
-    assert contiguous_cache(model, 1, 1, "k8v4", CPU).nbytes == heads * (codes(8) + codes(4))  # 8-bit keys keep their bias
+    assert contiguous_cache(model, 1, 1, "k8v4", CPU).nbytes == heads * (codes(8) + 4 + codes(4))
 
 
-@pytest.mark.parametrize("kv_dtype, arch", [("int8", "qwen2"), ("int4", "llama"), ("k3v2", "llama")])
+@pytest.mark.parametrize("kv_dtype, arch", [("int8", "qwen2"), ("int4", "qwen2"), ("k3v2", "llama")])
 def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cache(kv_dtype, arch, tiny_checkpoint):
-    """Below 8 bits a key-biased model's contiguous cache keeps the bias out of the codes and the
-    paged one does not (docs/quantization.md), so there they agree on a model without one."""
+    """qwen2's keys have a bias, which quantized keys keep out of the codes, with each slot's position."""
     model = load_model(tiny_checkpoint(arch)[0], torch.float32, CPU)
     prompts = prompts_of([5, 30, 12], seed=3)
     for policy in POLICIES:
@@ -255,6 +255,9 @@ def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
         eager = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype))
         compiled = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype, compile=True))
         assert compiled.tokens == eager.tokens, kv_dtype
+    biased = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)  # its key bias kept out of the codes
+    eager = generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2"))
+    assert generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2", compile=True)).tokens == eager.tokens
 
 
 def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, monkeypatch):
