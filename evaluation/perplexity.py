@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=512, help="tokens per prefill; each starts from an empty cache")
     p.add_argument("--gguf", type=Path, help="also score the texts with llama.cpp on this GGUF file")
     p.add_argument(
-        "--kv-dtype", action="append", choices=["auto", *KV_DTYPES, *KV_BITS],
-        help="how the engine's cache stores keys and values (repeatable: each is scored; default auto, the model's dtype)",
+        "--kv-dtype", action="append", choices=["auto", *KV_DTYPES, *KV_BITS], metavar="KV_DTYPE",
+        help="how the engine's cache stores keys and values (as generate.py's; repeatable: each is scored; default auto, the model's dtype)",
     )
     add_quant_args(p)
     return p.parse_args(argv)

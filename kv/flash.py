@@ -48,14 +48,14 @@ def why_not_flash(
     device: torch.device, q_dtype: torch.dtype, cache_dtype: torch.dtype | None, head_dim: int, block_size: int | None, store: bool
 ) -> str | None:
     """Why a decode step's attention cannot go to flash-attn, or None when it can.
-    cache_dtype: the cache's floats, None when it holds int8/int4 codes; block_size: a paged
+    cache_dtype: the cache's floats, None when it holds codes (--kv-dtype int8, k4v3, ...); block_size: a paged
     cache's slots per block, None for the contiguous cache; store: a --kv-store to recall from."""
     if device.type != "cuda":  # first and cheap: an eager CPU step asks for every layer
         return "flash-attn runs on CUDA only"
     if kernel is None:
         return MISSING
     if cache_dtype is None:
-        return "the cache holds int8/int4 codes (--kv-dtype), which flash-attn does not read"
+        return "the cache holds quantized codes (--kv-dtype), which flash-attn does not read"
     if store:
         return "--kv-store attends over recalled slots in the same softmax, which flash-attn does not"
     if cache_dtype not in FLASH_DTYPES:

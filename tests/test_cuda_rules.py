@@ -220,7 +220,7 @@ def test_the_flash_decode_op_passes_torchs_custom_op_checks():
         (torch.float32, torch.bfloat16, None, "2.8.3", "the model computes in float32 and the cache holds bfloat16"),
         (torch.bfloat16, torch.float16, None, "2.8.3", "one dtype for both"),
         (torch.float32, torch.float32, None, "2.8.3", "float16 and bfloat16 only"),
-        (torch.bfloat16, None, None, "2.8.3", "int8/int4 codes"),
+        (torch.bfloat16, None, None, "2.8.3", "quantized codes"),
         (torch.bfloat16, torch.bfloat16, 16, "2.8.3", "--block-size 256"),
         (torch.bfloat16, torch.bfloat16, 256, "2.8.4", "syncs with the host"),
         (torch.bfloat16, torch.bfloat16, None, "2.8.4", None),  # the contiguous path has no such read
@@ -270,7 +270,7 @@ def test_the_scripts_name_the_attention_path_on_cuda_and_why(tiny_checkpoint, mo
     monkeypatch.setattr(flash_attention, "kernel", flash_attn_reference)
     monkeypatch.setattr(flash_attention, "flash_attn", types.SimpleNamespace(__version__="2.8.3"))
     assert cli_features.attention_line(CUDA, torch.bfloat16, config, "auto", PageConfig(256), 0) == "attention: flash-attn in decode steps through the block table, SDPA in prefill"
-    assert "int8/int4 codes" in cli_features.attention_line(CUDA, torch.bfloat16, config, "k8v4", None, 0)
+    assert "quantized codes" in cli_features.attention_line(CUDA, torch.bfloat16, config, "k8v4", None, 0)
     assert "--kv-store" in cli_features.attention_line(CUDA, torch.bfloat16, config, "auto", None, 64)
 
 

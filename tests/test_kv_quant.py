@@ -3,6 +3,7 @@ equal to attention over their dequantized copy, compaction moving the scales wit
 and every path (paged, compiled, every policy) agreeing with the others on the same codes."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -258,6 +259,23 @@ def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     biased = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)  # its key bias kept out of the codes
     eager = generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2"))
     assert generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2", compile=True)).tokens == eager.tokens
+
+
+def test_compiled_step_of_two_groups_of_blocks_on_a_k8v4_cache_equals_eager():
+    """12 layers make two compiled groups of 6 that share one graph. In k8v4, layer 1's key codes and
+    layer 2's value codes start at the same offset of their buffers (64 and 2 x 32 bytes a slot);
+    a graph that took that coincidence for a rule failed the second group's step."""
+    from models.transformer import Transformer
+
+    config = replace(config_of(64, n_layers=12), vocab_size=64)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+    prompts = [[1, 5, 9, 3], [7, 2]]
+    eager = generate(model, prompts, 6, eos_ids=frozenset(), options=RunOptions(kv_dtype="k8v4"))
+    assert generate(model, prompts, 6, eos_ids=frozenset(), options=RunOptions(kv_dtype="k8v4", compile=True)).tokens == eager.tokens
 
 
 def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, monkeypatch):
