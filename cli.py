@@ -83,8 +83,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
     g.add_argument(
         "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS], default="auto", metavar="KV_DTYPE",
-        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32; or codes with a float16 step and minimum per 32 channels"
-        " of each token: int8, int4, int3, int2 (keys and values alike), kNvM (keys in N bits, values in M; N, M of 8, 4, 3, 2), e.g. k4v3 (kv/quantized.py)",
+        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32; or codes with a float16 step and minimum per 32 channels of each token: int8, int4, int3, int2 (keys and values alike), kNvM (keys in N bits, values in M; N, M of 8, 4, 3, 2), e.g. k4v3 (kv/quantized.py)",
     )
     g.add_argument("--kv-store", type=int, default=d.store_slots, metavar="SLOTS", help="demote what a policy evicts into a store of this many slots (pages of 16), which each decode step recalls from (0: eviction is final)")
     g.add_argument("--kv-store-dtype", choices=[*KV_DTYPES, *KV_BITS], default=d.store_dtype, metavar="KV_DTYPE", help="how the store holds keys and values (as --kv-dtype)")

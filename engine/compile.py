@@ -68,26 +68,22 @@ def compile_blocks(model: Transformer) -> tuple[BlockGroups, bool]:
 
 class CompiledStep:
     """A decode step that runs compiled blocks. The first call (which compiles, or loads inductor's
-    cached code) checks torch.compile's guards against these very objects. When one graph serves
-    every group of blocks, later calls skip that check: nothing the guards read changes between
-    steps, only tensor values. With several graphs the guards choose between them, and stay
-    (torch 2.13 fails a step that skips them)."""
+    cache) checks torch.compile's guards against these very objects, tracing without duck sizing:
+    sizes equal by chance in one group (k8v4's key and value codes of two layers start at one
+    offset) must not become a guard the next group fails. With one graph for every group, later
+    calls skip the guards (only tensor values change); with several, the guards choose the graph."""
 
     def __init__(self, advance: Callable[..., object], unguarded: bool):
         self.advance, self.unguarded = advance, unguarded
         self.called = False
 
     def __call__(self, **kwargs) -> None:
-        if not self.called:
-            # Without duck sizing, sizes that happen to be equal in one group of blocks (one layer's
-            # key codes and another's value codes start at the same offset in k8v4) do not become
-            # a guard that the next group fails.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                self.advance(**kwargs)
-            self.called = True
-            return
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded):
+        if self.called:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded):
+                return self.advance(**kwargs)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
             self.advance(**kwargs)
+        self.called = True
 
 
 def mark_slots_dynamic(mask: torch.Tensor | None, kvs: list[LayerKV]) -> None:
