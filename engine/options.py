@@ -20,7 +20,8 @@ from errors import UserError
 from kv.cache import KVCache
 from kv.flash import FlashKVCache
 from kv.paged import PageConfig, PagedKVCache
-from kv.quantized import contiguous_cache, kv_storage, model_key_bias
+from kv.key_bias import model_key_bias
+from kv.quantized import contiguous_cache, kv_storage
 from models.transformer import Transformer
 
 

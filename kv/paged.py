@@ -22,7 +22,8 @@ from errors import UserError
 from kv import flash
 from kv.cache import counters, sdpa
 from kv.compaction import BITS, compact_in_place, compaction_moves
-from kv.quantized import KV, KeyBias, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
+from kv.key_bias import KeyBias
+from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
 from models.config import ModelConfig
 
 SCRATCH_BLOCK = 0

@@ -7,7 +7,7 @@ one by one: a compaction moves each kept slot with its own scales, and a decode 
 slot at a time, so no group ever mixes a kept slot with an evicted one or waits for its other
 members (docs/design.md). Two things make keys fit fewer bits (docs/quantization.md):
 - a model's key bias (Qwen2's) is taken out before quantizing and put back from the slot's
-  position (KeyBias): it is known exactly, and it dwarfs the rest of a key in a few layers;
+  position (kv/key_bias.py): it is known exactly, and it dwarfs the rest of a key in a few layers;
 - keys below 8 bits are turned by an orthogonal rotation (a Hadamard matrix over the head's
   channels), which spreads a few large channels over all of them, so that one group's range no
   longer has to span an outlier. q.k is unchanged, and a slot stays self-contained.
@@ -26,6 +26,7 @@ import torch
 from errors import UserError
 from kv import KV_BITS, KV_DTYPES
 from kv.cache import KVCache, counters, sdpa
+from kv.key_bias import KeyBias, model_key_bias
 from models.config import ModelConfig
 from models.transformer import Transformer
 
@@ -193,43 +194,6 @@ def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tu
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype], None
     raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS])}")
-
-
-class KeyBias(NamedTuple):
-    """A key bias taken out of the keys before they are quantized and put back as they are read.
-
-    A key is RoPE(W x + b) at its position p, so its bias part is RoPE(b) at p: known exactly from
-    the position alone. Qwen2's key biases are many times the rest of a key in a few layers, and
-    codes that have to span them leave the rest of the key a few levels (docs/quantization.md).
-    Each slot keeps its position, which a compaction moves with it like the codes.
-    """
-
-    bias: torch.Tensor  # [L, 1, H_kv, 1, D] float32 each layer's key bias before RoPE (one layer's: [1, H_kv, 1, D])
-    cos: torch.Tensor  # [P, D] the model's RoPE tables
-    sin: torch.Tensor  # [P, D]
-    positions: torch.Tensor  # [L, B, H_kv, S] int32 the absolute position each slot holds (one layer's: [B, H_kv, S])
-
-    def part(self, positions: torch.Tensor) -> torch.Tensor:
-        """The bias part of keys at positions [..., H_kv, S] (or broadcast to it): [..., H_kv, S, D] float32."""
-        first, second = self.bias.chunk(2, dim=-1)
-        turned = torch.cat((-second, first), dim=-1)  # RoPE's pairs are (i, i + D/2), as in models/rope.py
-        return self.bias * self.cos[positions] + turned * self.sin[positions]
-
-    def layer(self, index: int, n_slots: int | None) -> "KeyBias":
-        return KeyBias(self.bias[index], self.cos, self.sin, self.positions[index, :, :, :n_slots])
-
-
-def model_key_bias(model: Transformer, slots: tuple[int, ...], device: torch.device) -> KeyBias | None:
-    """The KeyBias of a model whose key projection has a bias, with positions [L, *slots] (the
-    cache's slot layout, e.g. [L, B, H_kv, S]) all 0; None without a bias."""
-    if not model.config.qkv_bias:
-        return None
-    attention = model.layers[0].attn
-    first = attention.n_heads * attention.head_dim  # wqkv's rows: queries, then keys, then values
-    rows = slice(first, first + attention.n_kv_heads * attention.head_dim)
-    bias = torch.stack([layer.attn.wqkv.bias[rows].float().view(attention.n_kv_heads, 1, attention.head_dim) for layer in model.layers])
-    positions = torch.zeros(len(model.layers), *slots, dtype=torch.int32, device=device)
-    return KeyBias(bias[:, None].to(device), model.rope_cos.to(device), model.rope_sin.to(device), positions)
 
 
 def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.Tensor:

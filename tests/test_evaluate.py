@@ -72,7 +72,7 @@ def test_quick_run_writes_tables_json_and_plot(tiny_folder, tmp_path, capsys):
     for title in ("Retrieval", "Future-attention recall", "Streaming loss", "Continuation fidelity", "Cost", "Quality against KV bytes"):
         assert title in out
     assert "| streaming + int4 cache + int4 store 32 + recall_pages=1 | 33 |" in out
-    assert "| full cache in int8 |  | 68.8% |" in out  # (2 x (16 bytes of codes + 4 of scales) + a key's 4-byte position) / 64, head_dim 16
+    assert "| full cache in int8 |  | 62.5% |" in out  # (16 bytes of codes + 4 of scales) / 32, head_dim 16
     assert (tmp_path / "results.md").read_text() + "\n" == out
     for plot in ("quality_vs_budget.png", "quality_vs_bytes.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
@@ -421,7 +421,7 @@ def test_a_cell_on_a_quantized_cache_is_the_engine_run_with_that_cache_and_count
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("streaming:kv_dtype=int3", "kv_dtype=int3 is not a KV storage"),
+        ("streaming:kv_dtype=int5", "kv_dtype=int5 is not a KV storage"),
         ("none:store_slots=32", "the full cache runs anyway"),
         ("none:kv_dtype=auto", "kv_dtype=auto is not a KV storage"),
     ],
