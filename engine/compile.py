@@ -78,10 +78,8 @@ class CompiledStep:
         self.called = False
 
     def __call__(self, **kwargs) -> None:
-        if self.called:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded):
-                return self.advance(**kwargs)
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        stance = torch.compiler.set_stance(skip_guard_eval_unsafe=self.unguarded) if self.called else torch.fx.experimental._config.patch(use_duck_shape=False)
+        with stance:
             self.advance(**kwargs)
         self.called = True
 

@@ -70,7 +70,7 @@ class PagedView(NamedTuple):
     k: KV  # [n_blocks, H_kv, block, D] the layer's pool
     v: KV  # [n_blocks, H_kv, block, D]
     pages: Pages  # the block table, and where the slots read lie (worked out once per forward)
-    key_bias: KeyBias | None = None  # this layer's, its positions a pool [n_blocks, H_kv, block] (kv/quantized.py)
+    key_bias: KeyBias | None = None  # this layer's, its positions a pool [n_blocks, H_kv, block] (kv/key_bias.py)
     slot_offset: torch.Tensor | None = None  # [B, 1] position - length: a new token at slot s has position slot_offset + s
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -175,7 +175,7 @@ class PagedKVCache:
         """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
         pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
         cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones read back in it.
-        key_bias: makes the KeyBias of a pool of this slot layout (kv.quantized.model_key_bias), for quantized keys."""
+        key_bias: makes the KeyBias of a pool of this slot layout (kv.key_bias.model_key_bias), for quantized keys."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
         n_blocks = batch * max_blocks if pages.n_blocks is None else pages.n_blocks
