@@ -7,7 +7,7 @@ from kv import STORE_PAGE
 
 STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4", "k8v4")  # kv/quantized.py's storage names
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
-POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "random")
+POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "maxattn", "random")
 AGGREGATIONS = ("max", "mean", "topm")
 
 
@@ -44,7 +44,7 @@ class CompressionConfig:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.prefix_budget < 0 or self.prefix_tail < 1:
             raise UserError(f"--kv-prefix-budget must be >= 0 and --kv-prefix-tail >= 1, got {self.prefix_budget} and {self.prefix_tail}")
-        if self.prefix_budget and self.policy in ("h2o", "none"):
+        if self.prefix_budget and self.policy in ("h2o", "maxattn", "none"):
             raise UserError(f"--kv-prefix-budget needs a policy that scores a prompt: {self.policy} has nothing to score it with")
         if self.n_beacon < 0:
             raise UserError(f"--n-beacon must be >= 0, got {self.n_beacon}")

@@ -23,7 +23,7 @@ from compression.fps import farthest_queries
 from compression.policies import SCORERS, ScoringInputs
 from compression.prompt_compression import compress_prompt
 from compression.query_buffer import QueryBuffer
-from compression.received_attention import accumulate_attention
+from compression.received_attention import RECEIVED_STATISTIC, accumulate_attention
 from compression.scoring import rotate_to_position
 from compression.slot_positions import SlotPositions
 from kv.store import KVStore
@@ -88,19 +88,22 @@ class CompressionManager:
         self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.dtype, cache.device)
         self.step_queries = step_queries(L, B, n_heads, D, cache.device)
         self.positions = SlotPositions(cache, config.budget)
-        # H2O: [L, B, H_kv, S] the attention each slot has received so far, summed over the steps
-        # and the heads of its group; compaction moves it with the slot's K and V.
+        # H2O and maxattn: [L, B, H_kv, S] the attention each slot has received so far, summed
+        # (or its maximum) over the steps and the heads of its group; compaction moves it with the slot.
         self.received: torch.Tensor | None = None
-        if config.policy == "h2o":
-            self.track_received_attention()
+        self.received_how: str | None = None
+        if config.policy in RECEIVED_STATISTIC:
+            self.track_received_attention(RECEIVED_STATISTIC[config.policy])
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         self.prompt_tail: torch.Tensor | None = None  # [L, B, H, R, D] the prompt's last queries, until they have scored it
         self.generator = torch.Generator().manual_seed(config.seed)
         self.stats = CompressionStats()
 
-    def track_received_attention(self) -> None:
-        """Accumulate H2O's statistic from the next step on (H2O's own manager does from the start;
-        the evaluation's full-cache recorder does it so that H2O can resume from its snapshots)."""
+    def track_received_attention(self, how: str) -> None:
+        """Record the attention received ("sum" or "max") from the next step on (H2O's and
+        maxattn's own managers do from the start; the evaluation's full-cache recorder does it so
+        that they can resume from its snapshots)."""
+        self.received_how = how
         L, B, H_kv, S, _ = self.cache.slot_shape()
         self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.device)
 
@@ -153,7 +156,7 @@ class CompressionManager:
         """Called inside the decode step with that step's queries [L, B, H, 1, D], issued at positions [B]."""
         self.buffer.record(queries, positions)
         if self.received is not None:
-            accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions])
+            accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions], self.received_how)
 
     def step_state(self) -> list[torch.Tensor]:
         """The tensors record() advances in place inside the decode step."""
@@ -283,19 +286,22 @@ class CompressionManager:
     def snapshot(self) -> dict[str, torch.Tensor | int | None]:
         """What a run resumed from this point needs of the manager, by name (the evaluation keeps
         it beside its snapshots of the full cache); `resume` reads it back."""
-        return self.buffer.snapshot() | {"received": self.received, "generated": self.generated}
+        return self.buffer.snapshot() | {"received": self.received, "received_how": self.received_how, "generated": self.generated}
 
     def resume(self, saved: dict[str, torch.Tensor | int | None]) -> None:
         """Continue where the manager that took `saved` (a snapshot) was, on a cache in the same
-        state. A policy without beacons may resume from BeaconKV's buffer. H2O's sums come along
-        when the snapshot has them; H2O cannot resume from one without."""
+        state. A policy without beacons may resume from BeaconKV's buffer. The attention received
+        comes along when the snapshot has it; H2O and maxattn cannot resume from one without theirs."""
         self.buffer.resume(saved)
+        how = saved.get("received_how", "sum")  # a snapshot saved before maxattn existed holds H2O's sum
         if saved["received"] is not None:
             if self.received is None:
-                self.track_received_attention()
+                self.track_received_attention(how)
+            elif self.received_how != how:
+                raise ValueError(f"the snapshot records the attention received as a {how}, this policy needs its {self.received_how}")
             self.received.copy_(saved["received"][..., : self.received.shape[3]])
         elif self.received is not None:
-            raise ValueError("the snapshot holds no accumulated attention, which H2O resumes from")
+            raise ValueError("the snapshot holds no record of the attention received, which this policy resumes from")
         self.generated = saved["generated"]
 
     def slot_positions(self) -> torch.Tensor:

@@ -22,7 +22,7 @@ class ScoringInputs:
     candidate_slots: torch.Tensor  # [B, C] where the candidates sit in `context`
     config: CompressionConfig
     generator: torch.Generator
-    received: torch.Tensor | None = None  # [B, H_kv, C] H2O: the attention each candidate has received so far
+    received: torch.Tensor | None = None  # [B, H_kv, C] H2O, maxattn: the attention each candidate has received so far
     kv_heads: tuple[int, int] | None = None  # tensor parallelism: the model's KV head the keys' first one is, and the model's count
 
 
@@ -93,6 +93,13 @@ def h2o(x: ScoringInputs) -> torch.Tensor:
     return x.received
 
 
+def maxattn(x: ScoringInputs) -> torch.Tensor:
+    """Query-agnostic, in the spirit of KVzip: the most attention any query of the context has paid
+    a key since it was written (max over steps and the heads of its group). KVzip takes that maximum
+    over a pass that re-reads the whole context; here the context's own queries stand in for it."""
+    return x.received
+
+
 def streaming(x: ScoringInputs) -> torch.Tensor:
     """StreamingLLM: the prompt (the attention sinks) and the newest tokens; the oldest go first."""
     B, H_kv, C, _ = x.keys.shape
@@ -115,5 +122,6 @@ SCORERS: dict[str, Callable[[ScoringInputs], torch.Tensor]] = {
     "tova": tova,
     "rkv": rkv,
     "h2o": h2o,
+    "maxattn": maxattn,
     "random": random,
 }

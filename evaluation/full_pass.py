@@ -17,6 +17,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
+from compression.received_attention import received_statistic
 from kv.cache import KVCache
 from errors import UserError
 from evaluation.runs import CPU, Run, State
@@ -49,16 +50,16 @@ def load(
     differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
     if not set(settings.get("budgets", ())) <= set(data["settings"].get("budgets", ())):
         differ.append("budgets (the pass holds snapshots for its own budgets only)")
-    with_h2o = "h2o" in settings.get("policies", ())
-    if with_h2o and "h2o" not in data["settings"].get("policies", ()):
-        differ.append("policies (this run has H2O, whose attention sums the pass lacks)")
+    how = received_statistic(settings.get("policies", ()))
+    if how and how != received_statistic(data["settings"].get("policies", ())):
+        differ.append(f"policies (this run has a policy that resumes from the attention received, as a {how}, which the pass lacks)")
     if differ and required:
         raise UserError(f"{path} was saved with other settings ({', '.join(differ)}); drop --full-pass to compute this run's own")
     if differ:
         return None
     f = data["full"]
     full = Run("none", None, f["predicted"], f["logprob"], [], f["steps"], f["seconds"], CompressionStats(), f["kv_cache_bytes"], 0)
-    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots, with_h2o) for step, saved in data["snapshots"].items()}
+    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots, how is not None) for step, saved in data["snapshots"].items()}
     return full, snapshots
 
 
@@ -79,7 +80,7 @@ def _state_to_dict(state: State) -> dict:
     }  # fmt: skip
 
 
-def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfig, n_slots: int, with_h2o: bool) -> State:
+def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfig, n_slots: int, with_received: bool) -> State:
     B, used = saved["length"].shape[0], saved["k"].shape[3]
     cache = KVCache.allocate(model.config, B, n_slots, saved["k"].dtype, CPU)
     cache.k[:, :, :, :used] = saved["k"]
@@ -87,6 +88,6 @@ def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfi
     for counter in ("length", "position", "prompt_length"):
         getattr(cache, counter).copy_(saved[counter])
     manager = CompressionManager(recorder, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    # The sums are tracked only for H2O: every policy resumed from them would carry them.
-    manager.resume(saved if with_h2o else saved | {"received": None})
+    # The attention received is recorded only for the policies that score by it: any other resumed from it would carry it.
+    manager.resume(saved if with_received else saved | {"received": None})
     return State(cache, manager, saved["tokens"], saved["step"], saved["predicted"], saved["logprob"], saved["after_step_due"])

@@ -21,6 +21,7 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, new_store
+from compression.received_attention import received_statistic
 from engine.decode import StepState, decode_step, prefill
 from kv.cache import KVCache
 from engine.sampling import SamplingConfig
@@ -217,8 +218,8 @@ def full_cache_pass(model: Transformer, batch: Batch, config: EvalConfig) -> tup
     """The full cache over the whole batch, and the snapshots taken where each budget first compacts."""
     n_steps = batch.length - 1
     state = start(model, batch, recorder(config, batch), batch.n_positions)
-    if "h2o" in config.policies:
-        state.manager.track_received_attention()
+    if how := received_statistic(config.policies):
+        state.manager.track_received_attention(how)
     log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
     firsts = {config.first_compaction(b) for b in config.budgets}
     seconds, snapshots, _ = advance(model, state, batch, frozenset(f for f in firsts if f <= n_steps), label="full cache")

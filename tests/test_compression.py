@@ -402,15 +402,16 @@ def test_each_baseline_equals_its_definition_by_brute_force():
     assert torch.allclose(SCORERS["rkv"](x), 0.07 * importance - 0.93 * redundancy, atol=1e-6)
 
 
-def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_checkpoint):
-    """The attention each slot received, summed inside the decode step over the steps and a
-    group's heads, equals the sum of the softmax attention of every decoded query, recomputed
-    from one prefill of the whole sequence."""
+@pytest.mark.parametrize("policy", ["h2o", "maxattn"])
+def test_the_attention_received_equals_the_softmax_attention_recomputed_from_scratch(tiny_checkpoint, policy):
+    """The attention each slot received, recorded inside the decode step over the steps and a
+    group's heads (H2O: their sum; maxattn: their maximum), equals that of the softmax attention
+    of every decoded query, recomputed from one prefill of the whole sequence."""
     from engine.options import RunOptions, open_session
     from models.rope import apply_rope
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
-    config = CompressionConfig(policy="h2o", budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
+    config = CompressionConfig(policy=policy, budget=64, hysteresis=16, window=8)  # no compaction in 20 steps
     session = open_session(model, 1, 64, RunOptions(compression=config), eos_ids=frozenset())
     prompt = [5 + 3 * i for i in range(9)]
     fed = [session.prefill([prompt]).tokens[0]]
@@ -433,7 +434,9 @@ def test_h2o_accumulates_the_softmax_attention_recomputed_from_scratch(tiny_chec
         for t in range(len(prompt), n):  # the decoded tokens' queries
             for h in range(H):
                 keys = cache.k[layer, 0, h // (H // H_kv), : t + 1]  # [t + 1, D]
-                expected[layer, h // (H // H_kv), : t + 1] += (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
+                paid = (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
+                row = expected[layer, h // (H // H_kv), : t + 1]
+                row.copy_(row + paid if policy == "h2o" else torch.maximum(row, paid))
     got = session.policy.received[:, 0, :, :n]
     assert torch.allclose(got, expected, atol=1e-4)
 
@@ -598,7 +601,7 @@ def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_chec
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     recorder = CompressionConfig(policy="beacon", budget=64, window=4, n_beacon=4, n_recent=6)
     session = open_session(model, 2, recorder.slots_needed(9, 40), RunOptions(compression=recorder), eos_ids=frozenset())
-    session.policy.track_received_attention()
+    session.policy.track_received_attention("sum")
     session.prefill([[5] * 9, [7] * 6])
     for _ in range(9):
         session.step()
@@ -614,5 +617,8 @@ def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_chec
         assert torch.equal(twin.received, source.received)
         assert (twin.buffer.recorded, twin.generated) == (source.buffer.recorded, source.generated) == (9, 9)
     h2o = CompressionManager(CompressionConfig(policy="h2o", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    with pytest.raises(ValueError, match="accumulated attention"):
+    with pytest.raises(ValueError, match="no record of the attention received"):
         h2o.resume(saved | {"received": None})
+    maxattn = CompressionManager(CompressionConfig(policy="maxattn", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
+    with pytest.raises(ValueError, match="as a sum, this policy needs its max"):
+        maxattn.resume(saved)
