@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
+from compression.config import AGGREGATIONS, POLICIES, STORE_DROPS, CompressionConfig
 from engine.sampling import SamplingConfig
 from errors import UserError
 from kv import KV_BITS, KV_DTYPES
@@ -87,6 +87,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-store", type=int, default=d.store_slots, metavar="SLOTS", help="demote what a policy evicts into a store of this many slots (pages of 16), which each decode step recalls from (0: eviction is final)")
     g.add_argument("--kv-store-dtype", choices=[*KV_DTYPES, *KV_BITS], default=d.store_dtype, metavar="KV_DTYPE", help="how the store holds keys and values (as --kv-dtype)")
+    g.add_argument("--kv-store-drops", choices=STORE_DROPS, default=d.store_drops, help="what a full store overwrites: its oldest slots, or the least_attended (those that received the least attention in the cache)")
     g.add_argument("--kv-recall", type=int, default=d.recall_pages, metavar="PAGES", help="store pages each KV head attends at each step, the pages whose keys can score highest against its queries")
 
 
@@ -106,9 +107,7 @@ def compression_config(args: argparse.Namespace) -> CompressionConfig:
         prefix_budget=args.kv_prefix_budget,
         prefix_tail=args.kv_prefix_tail,
         seed=args.seed,
-        store_slots=args.kv_store,
-        store_dtype=args.kv_store_dtype,
-        recall_pages=args.kv_recall,
+        store_slots=args.kv_store, store_dtype=args.kv_store_dtype, recall_pages=args.kv_recall, store_drops=args.kv_store_drops,
     )
 
 

@@ -3,9 +3,10 @@
 from dataclasses import dataclass, replace
 
 from errors import UserError
-from kv import STORE_PAGE
+from kv import KV_BITS, KV_DTYPES, STORE_PAGE
 
-STORE_DTYPES = ("bf16", "f16", "f32", "int8", "int4", "k8v4")  # kv/quantized.py's storage names
+STORE_DTYPES = (*KV_DTYPES, *KV_BITS)  # any --kv-dtype but auto
+STORE_DROPS = ("oldest", "least_attended")
 PREFIX_SINKS = 4  # a compressed prompt's first tokens, kept whole: attention sinks and the start of the instruction
 POLICIES = ("none", "beacon", "streaming", "rpc", "snapkv", "tova", "rkv", "h2o", "maxattn", "random")
 AGGREGATIONS = ("max", "mean", "topm")
@@ -33,12 +34,13 @@ class CompressionConfig:
     store_slots: int = 0  # demote evicted slots into a store of this many (0: eviction is final)
     store_dtype: str = "int4"  # how the store holds keys and values (kv/quantized.py's names)
     recall_pages: int = 4  # store pages each KV head of each decode step attends besides the cache
+    store_drops: str = "oldest"  # a full store overwrites its oldest slots, or those that received the least attention in the cache
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise UserError(f"unknown --kv-policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.aggregation not in AGGREGATIONS:
-            raise UserError(f"unknown --kv-aggregation {self.aggregation!r}; choose one of {', '.join(AGGREGATIONS)}")
+        named = (("policy", POLICIES), ("aggregation", AGGREGATIONS), ("store_dtype", STORE_DTYPES), ("store_drops", STORE_DROPS))
+        for name, known in named:
+            if getattr(self, name) not in known:
+                raise UserError(f"unknown --kv-{name.replace('_', '-')} {getattr(self, name)!r}; choose one of {', '.join(known)}")
         for name in ("budget", "hysteresis", "window", "n_recent", "top_m", "heads_agree"):
             if getattr(self, name) < 1:
                 raise UserError(f"--kv-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -53,8 +55,6 @@ class CompressionConfig:
                 raise UserError("--kv-store holds what a policy evicts: add a --kv-policy")
             if self.store_slots < 0 or self.store_slots % STORE_PAGE:
                 raise UserError(f"--kv-store must be a multiple of its page of {STORE_PAGE} slots, got {self.store_slots}")
-            if self.store_dtype not in STORE_DTYPES:
-                raise UserError(f"unknown --kv-store-dtype {self.store_dtype!r}; choose one of {', '.join(STORE_DTYPES)}")
             if not 1 <= self.recall_pages <= self.store_slots // STORE_PAGE:
                 raise UserError(f"--kv-recall must be between 1 and the store's {self.store_slots // STORE_PAGE} pages, got {self.recall_pages}")
 
@@ -82,7 +82,7 @@ class CompressionConfig:
 # the baselines in one evaluation; and the store's, which any policy's variant may set
 # ("snapkv:store_slots=256:recall_pages=4").
 VARIANT_OPTIONS = ("aggregation", "top_m", "heads_agree", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail")
-STORE_OPTIONS = ("store_slots", "store_dtype", "recall_pages")
+STORE_OPTIONS = ("store_slots", "store_dtype", "recall_pages", "store_drops")
 
 
 def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:

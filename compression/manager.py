@@ -3,7 +3,7 @@
 Its schedule depends only on how many tokens have been decoded, which the host knows without
 reading the device: every row of a batch generates one slot per step, so every row crosses the
 budget at the same step. Inside the decode step the manager only records (the queries into
-compression/query_buffer.py, H2O's sums through compression/received_attention.py); it scores and
+compression/query_buffer.py, the attention received through compression/received_attention.py); it scores and
 compacts between steps, where it also keeps which position each slot holds
 (compression/slot_positions.py).
 """
@@ -23,7 +23,7 @@ from compression.fps import farthest_queries
 from compression.policies import SCORERS, ScoringInputs
 from compression.prompt_compression import compress_prompt
 from compression.query_buffer import QueryBuffer
-from compression.received_attention import RECEIVED_STATISTIC, accumulate_attention
+from compression.received_attention import POLICY_RECORD, accumulate_attention, attention_records
 from compression.scoring import rotate_to_position
 from compression.slot_positions import SlotPositions
 from kv.store import KVStore
@@ -88,12 +88,12 @@ class CompressionManager:
         self.buffer = QueryBuffer(L, B, n_heads, D, self.n_beacon, config.n_recent, cache.dtype, cache.device)
         self.step_queries = step_queries(L, B, n_heads, D, cache.device)
         self.positions = SlotPositions(cache, config.budget)
-        # H2O and maxattn: [L, B, H_kv, S] the attention each slot has received so far, summed
-        # (or its maximum) over the steps and the heads of its group; compaction moves it with the slot.
-        self.received: torch.Tensor | None = None
-        self.received_how: str | None = None
-        if config.policy in RECEIVED_STATISTIC:
-            self.track_received_attention(RECEIVED_STATISTIC[config.policy])
+        # H2O, maxattn, a store that drops the least attended: "sum" or "max" -> [L, B, H_kv, S] the
+        # attention each slot has received so far, over the steps and the heads of its group;
+        # compaction moves it with the slot.
+        self.received: dict[str, torch.Tensor] = {}
+        for how in sorted(attention_records(config)):
+            self.track_received_attention(how)
         self.generated = 0  # slots in use after each row's prompt: the same for every row (host count)
         self.prompt_tail: torch.Tensor | None = None  # [L, B, H, R, D] the prompt's last queries, until they have scored it
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -103,9 +103,8 @@ class CompressionManager:
         """Record the attention received ("sum" or "max") from the next step on (H2O's and
         maxattn's own managers do from the start; the evaluation's full-cache recorder does it so
         that they can resume from its snapshots)."""
-        self.received_how = how
         L, B, H_kv, S, _ = self.cache.slot_shape()
-        self.received = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.device)
+        self.received[how] = torch.zeros(L, B, H_kv, S, dtype=torch.float32, device=self.cache.device)
 
     def reset(self) -> None:
         """Start over with an empty cache (a new conversation), in the same buffers."""
@@ -113,8 +112,8 @@ class CompressionManager:
             self.store.reset()
         self.buffer.reset()
         self.positions.reset()
-        if self.received is not None:
-            self.received.zero_()
+        for record in self.received.values():
+            record.zero_()
         self.prompt_tail = None
         self.generated = 0
 
@@ -155,12 +154,12 @@ class CompressionManager:
     def record(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Called inside the decode step with that step's queries [L, B, H, 1, D], issued at positions [B]."""
         self.buffer.record(queries, positions)
-        if self.received is not None:
-            accumulate_attention(self.received, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions], self.received_how)
+        for how, record in self.received.items():
+            accumulate_attention(record, self.cache, queries, self.rope_cos[positions], self.rope_sin[positions], how)
 
     def step_state(self) -> list[torch.Tensor]:
         """The tensors record() advances in place inside the decode step."""
-        return [self.buffer.slot] + ([self.received] if self.received is not None else [])
+        return [self.buffer.slot, *self.received.values()]
 
     def seed_layer(self, layer: int, queries: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
         """During prefill, as each layer finishes: its first beacons are the farthest points among
@@ -194,10 +193,10 @@ class CompressionManager:
         if len(set(n_new)) != 1:
             raise ValueError(f"every row must append the same number of tokens (the schedule is shared), got {n_new}")
         n, kept = n_new[0], last_queries.shape[3]
-        if self.received is not None:  # the new slots may hold evicted tokens' sums
-            new_slots = self.cache.length[:, None] - n + torch.arange(n, device=self.cache.device)  # [B, n]
-            L, B, H_kv = self.received.shape[:3]
-            self.received.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
+        new_slots = self.cache.length[:, None] - n + torch.arange(n, device=self.cache.device)  # [B, n]
+        for record in self.received.values():  # the new slots may hold evicted tokens' records
+            L, B, H_kv = record.shape[:3]
+            record.scatter_(3, new_slots[None, :, None, :].expand(L, B, H_kv, n), 0.0)
         for i in range(kept):
             # Into the ring only: H2O's sums count the attention of decoded tokens alone.
             self.buffer.record(last_queries[:, :, :, i : i + 1], self.cache.position - kept + i)
@@ -252,7 +251,8 @@ class CompressionManager:
             keys = context.gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
-            received = None if self.received is None else self.received[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
+            record = self.received.get(POLICY_RECORD.get(config.policy, ""))
+            received = None if record is None else record[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
             keep.append(self._best(
                 config.budget,
                 received=received,
@@ -267,8 +267,9 @@ class CompressionManager:
         keep = torch.stack(keep)  # [L, B, H_kv, budget]
         if self.store is not None:
             evicted = cache.prompt_length.view(1, B, 1, 1) + evicted_offsets(keep, n_candidates)  # [L, B, H_kv, E]
-            self.store.demote(*cache.gather(evicted), positions.gather(3, evicted))
-        moved = [positions] + ([self.received] if self.received is not None else [])
+            scores = self.received["max"].gather(3, evicted) if self.store.score is not None else None
+            self.store.demote(*cache.gather(evicted), positions.gather(3, evicted), scores)
+        moved = [positions, *self.received.values()]
         cache.compact(moved, cache.prompt_length, keep, n_candidates, config.window)
         self.positions.keep(cache, positions)
         cache.length.copy_(cache.prompt_length + config.budget + config.window)
@@ -286,22 +287,19 @@ class CompressionManager:
     def snapshot(self) -> dict[str, torch.Tensor | int | None]:
         """What a run resumed from this point needs of the manager, by name (the evaluation keeps
         it beside its snapshots of the full cache); `resume` reads it back."""
-        return self.buffer.snapshot() | {"received": self.received, "received_how": self.received_how, "generated": self.generated}
+        return self.buffer.snapshot() | {"received": dict(self.received), "generated": self.generated}
 
     def resume(self, saved: dict[str, torch.Tensor | int | None]) -> None:
         """Continue where the manager that took `saved` (a snapshot) was, on a cache in the same
         state. A policy without beacons may resume from BeaconKV's buffer. The attention received
         comes along when the snapshot has it; H2O and maxattn cannot resume from one without theirs."""
         self.buffer.resume(saved)
-        how = saved.get("received_how", "sum")  # a snapshot saved before maxattn existed holds H2O's sum
-        if saved["received"] is not None:
-            if self.received is None:
+        if missing := set(self.received) - set(saved["received"]):
+            raise ValueError(f"the snapshot holds no record of the attention received as a {missing.pop()}, which this policy scores by")
+        for how, record in saved["received"].items():
+            if how not in self.received:
                 self.track_received_attention(how)
-            elif self.received_how != how:
-                raise ValueError(f"the snapshot records the attention received as a {how}, this policy needs its {self.received_how}")
-            self.received.copy_(saved["received"][..., : self.received.shape[3]])
-        elif self.received is not None:
-            raise ValueError("the snapshot holds no record of the attention received, which this policy resumes from")
+            self.received[how].copy_(record[..., : self.received[how].shape[3]])
         self.generated = saved["generated"]
 
     def slot_positions(self) -> torch.Tensor:
@@ -359,7 +357,8 @@ def new_store(model: ModelConfig, batch: int, compression: CompressionConfig, mo
     """The store a compression config asks for (--kv-store), or None."""
     if not compression.store_slots:
         return None
-    return KVStore.allocate(model, batch, compression.store_slots, compression.store_dtype, model_dtype, compression.recall_pages, device)
+    scored = compression.store_drops == "least_attended"
+    return KVStore.allocate(model, batch, compression.store_slots, compression.store_dtype, model_dtype, compression.recall_pages, device, scored)
 
 
 def decode_views(layers: list, store: KVStore | None, queries: torch.Tensor) -> list[QueryTap]:

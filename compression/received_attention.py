@@ -1,5 +1,5 @@
 """The attention every slot receives, recorded inside the decode step with static shapes and no
-host sync: H2O's sum and the max-attention policy's maximum. The manager (compression/manager.py) owns the buffer, moves it with
+host sync: H2O's sum, or the maximum that maxattn and a store that drops by attention score by. The manager (compression/manager.py) owns the buffer, moves it with
 the slots at each compaction and reads it between steps (the queries: compression/query_buffer.py)."""
 
 import math
@@ -7,20 +7,18 @@ import math
 import torch
 
 from compression.cache import Cache
-from errors import UserError
+from compression.config import CompressionConfig
 from models.rope import apply_rope
 
-# The policies that score a slot by the attention it has received, and how each combines the steps.
-RECEIVED_STATISTIC = {"h2o": "sum", "maxattn": "max"}
+
+POLICY_RECORD = {"h2o": "sum", "maxattn": "max"}  # the policies that score by the attention received, and the record each reads
 
 
-def received_statistic(policies: tuple[str, ...]) -> str | None:
-    """How the attention received must be recorded for these policy specs to resume from one
-    record ("sum", "max" or None); a single record cannot serve both."""
-    wanted = {RECEIVED_STATISTIC[p.split(":")[0]] for p in policies if p.split(":")[0] in RECEIVED_STATISTIC}
-    if len(wanted) > 1:
-        raise UserError("h2o and maxattn each resume from their own record of the attention received: evaluate them in separate runs")
-    return wanted.pop() if wanted else None
+def attention_records(config: CompressionConfig) -> set[str]:
+    """The records of the attention each slot receives that the manager keeps for `config`: its
+    policy's, and the "max" a store that drops the least attended scores by."""
+    records = {POLICY_RECORD[config.policy]} if config.policy in POLICY_RECORD else set()
+    return records | ({"max"} if config.store_slots and config.store_drops == "least_attended" else set())
 
 
 def accumulate_attention(

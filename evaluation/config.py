@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compression.config import CompressionConfig, with_variant
+from compression.received_attention import attention_records
 from errors import UserError
 from kv.quantized import KV_BITS, KV_DTYPES
 
@@ -78,3 +79,9 @@ def split_storage(spec: str) -> tuple[str, str]:
     if name == "none" and settings and (len(kept) > 1 or kv_dtype == "auto"):
         raise UserError(f"policy {spec!r}: the full cache runs anyway; 'none:kv_dtype=int8' runs it in another storage, and takes no other option")
     return ":".join(kept), kv_dtype
+
+
+def cells_attention_records(policies: tuple[str, ...]) -> set[str]:
+    """The records of the attention received that the full cache's pass keeps, for the cells that
+    resume from it and score by one."""
+    return set().union(*(attention_records(with_variant(CompressionConfig(), split_storage(spec)[0])) for spec in policies))

@@ -17,9 +17,9 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
-from compression.received_attention import received_statistic
 from kv.cache import KVCache
 from errors import UserError
+from evaluation.config import cells_attention_records
 from evaluation.runs import CPU, Run, State
 from evaluation.saving import write_atomically_with
 from models.transformer import Transformer
@@ -50,16 +50,16 @@ def load(
     differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
     if not set(settings.get("budgets", ())) <= set(data["settings"].get("budgets", ())):
         differ.append("budgets (the pass holds snapshots for its own budgets only)")
-    how = received_statistic(settings.get("policies", ()))
-    if how and how != received_statistic(data["settings"].get("policies", ())):
-        differ.append(f"policies (this run has a policy that resumes from the attention received, as a {how}, which the pass lacks)")
+    needed = cells_attention_records(tuple(settings.get("policies", ())))
+    if lacking := needed - cells_attention_records(tuple(data["settings"].get("policies", ()))):
+        differ.append(f"policies (this run scores by the attention received as a {', '.join(sorted(lacking))}, which the pass does not record)")
     if differ and required:
         raise UserError(f"{path} was saved with other settings ({', '.join(differ)}); drop --full-pass to compute this run's own")
     if differ:
         return None
     f = data["full"]
     full = Run("none", None, f["predicted"], f["logprob"], [], f["steps"], f["seconds"], CompressionStats(), f["kv_cache_bytes"], 0)
-    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots, how is not None) for step, saved in data["snapshots"].items()}
+    snapshots = {step: _state_from_dict(saved, model, recorder, n_slots, bool(needed)) for step, saved in data["snapshots"].items()}
     return full, snapshots
 
 
@@ -89,5 +89,5 @@ def _state_from_dict(saved: dict, model: Transformer, recorder: CompressionConfi
         getattr(cache, counter).copy_(saved[counter])
     manager = CompressionManager(recorder, cache, model.config.n_heads, model.rope_cos, model.rope_sin)
     # The attention received is recorded only for the policies that score by it: any other resumed from it would carry it.
-    manager.resume(saved if with_received else saved | {"received": None})
+    manager.resume(saved if with_received else saved | {"received": {}})
     return State(cache, manager, saved["tokens"], saved["step"], saved["predicted"], saved["logprob"], saved["after_step_due"])

@@ -21,11 +21,10 @@ import torch
 
 from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats, new_store
-from compression.received_attention import received_statistic
 from engine.decode import StepState, decode_step, prefill
 from kv.cache import KVCache
 from engine.sampling import SamplingConfig
-from evaluation.config import EvalConfig, split_storage
+from evaluation.config import EvalConfig, cells_attention_records, split_storage
 from evaluation.tasks import Row
 from kv.quantized import contiguous_cache
 from models.transformer import Transformer
@@ -218,7 +217,7 @@ def full_cache_pass(model: Transformer, batch: Batch, config: EvalConfig) -> tup
     """The full cache over the whole batch, and the snapshots taken where each budget first compacts."""
     n_steps = batch.length - 1
     state = start(model, batch, recorder(config, batch), batch.n_positions)
-    if how := received_statistic(config.policies):
+    for how in sorted(cells_attention_records(config.policies)):
         state.manager.track_received_attention(how)
     log(f"  full cache: {n_steps} steps x {len(batch.rows)} rows")
     firsts = {config.first_compaction(b) for b in config.budgets}

@@ -3,9 +3,10 @@
 Each (layer, row, KV head) has N store slots in pages of STORE_PAGE, holding demoted keys and
 values (int4 by default: kv/quantized.py) and the positions they held. Each page keeps a
 summary, the per-channel minimum and maximum of its keys, so that a decode step can pick the
-pages it may need (`recall`, below). The store is a ring: once it is full, a demotion overwrites
-the oldest slots. It is allocated once and written in place, so its memory is bounded, and a
-compiled step or a CUDA graph keeps pointing at it.
+pages it may need (`recall`, below). Once it is full, a demotion overwrites the oldest slots (a
+ring), or, for a store that keeps a score per slot, the lowest-scored ones where the newcomers
+score higher (per layer, row and KV head). It is allocated once and written in place, so its
+memory is bounded, and a compiled step or a CUDA graph keeps pointing at it.
 """
 
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ import torch
 
 from kv import STORE_PAGE
 from kv.cache import sdpa
-from kv.quantized import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
+from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_storage, kv_store, kv_unbind, quantize
 from models.config import ModelConfig
 from models.transformer import LayerKV
 
@@ -105,10 +106,12 @@ class KVStore:
     filled: torch.Tensor  # [B, N] bool: the store slots holding a token
     next: torch.Tensor  # [B] int64, on the host: the slot the next demotion starts at
     recall: int  # pages each KV group recalls per step
+    score: torch.Tensor | None = None  # [L, B, H_kv, N] float32: what each slot scored when demoted; None for a ring
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, batch: int, n_slots: int, store_dtype: str, model_dtype: torch.dtype, recall: int, device: torch.device
+        cls, config: ModelConfig, batch: int, n_slots: int, store_dtype: str, model_dtype: torch.dtype, recall: int, device: torch.device,
+        scored: bool = False,
     ) -> "KVStore":
         dtype, bits = kv_storage(store_dtype, model_dtype)
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
@@ -121,6 +124,7 @@ class KVStore:
             torch.zeros(batch, n_slots, dtype=torch.bool, device=device),
             torch.zeros(batch, dtype=torch.int64),
             recall,
+            torch.zeros(shape[:-1], dtype=torch.float32, device=device) if scored else None,
         )
 
     def views(self, layers: list[LayerKV]) -> list[RecallView]:
@@ -133,8 +137,9 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        """Keys, values, their scales and the page summaries (the positions are bookkeeping)."""
-        return kv_nbytes(self.k) + kv_nbytes(self.v) + self.low.nbytes + self.high.nbytes
+        """Keys, values, their scales, the page summaries and the scores (the positions are bookkeeping)."""
+        scores = 0 if self.score is None else self.score.nbytes
+        return kv_nbytes(self.k) + kv_nbytes(self.v) + self.low.nbytes + self.high.nbytes + scores
 
     def layers(self) -> list[StoreLayer]:
         return [StoreLayer(k, v, low, high, self.filled, self.recall) for k, v, low, high in zip(kv_unbind(self.k), kv_unbind(self.v), self.low, self.high)]
@@ -145,13 +150,51 @@ class KVStore:
         k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
         return replace(
             self, k=k, v=v, positions=self.positions[:, rows], low=self.low[:, rows], high=self.high[:, rows],
-            filled=self.filled[rows], next=self.next[rows],
+            filled=self.filled[rows], next=self.next[rows], score=None if self.score is None else self.score[:, rows],
         )
 
-    def demote(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def demote(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Take in the evicted slots of every row: keys and values [L, B, H_kv, E, D], the same
-        count E for every row, and their positions [L, B, H_kv, E]. Past the ring's size, the
-        oldest are overwritten (of E > N, only the last N stay)."""
+        count E for every row, their positions [L, B, H_kv, E] and, for a scored store, their
+        scores [L, B, H_kv, E]. A ring overwrites its oldest slots (of E > N, only the last N
+        stay); a full scored store keeps the N best-scored of what it holds and the newcomers."""
+        if self.score is None:
+            self._append(k, v, positions)
+        else:
+            for start in range(0, k.shape[3], self.n_slots):
+                chunk = slice(start, start + self.n_slots)
+                self._take_best(k[..., chunk, :], v[..., chunk, :], positions[..., chunk], scores[..., chunk])
+        self._summarize()
+
+    def _take_best(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor) -> None:
+        """E <= N newcomers: the first fill the empty slots in order; each of the rest replaces one
+        of the weakest slots held, the strongest newcomer the weakest slot, wherever it scores higher
+        (which keeps the N best of the two sets)."""
+        n_empty = self.n_slots - int(self.filled.sum(dim=1).max())
+        if n_empty:
+            self._append(k[..., :n_empty, :], v[..., :n_empty, :], positions[..., :n_empty], scores[..., :n_empty])
+        k, v, positions, scores = k[..., n_empty:, :], v[..., n_empty:, :], positions[..., n_empty:], scores[..., n_empty:]
+        if scores.shape[-1] == 0:
+            return
+        ranked, order = scores.sort(dim=-1, descending=True)  # [L, B, H_kv, R]
+        weakest, targets = self.score.topk(scores.shape[-1], dim=-1, largest=False)  # ascending
+        better = ranked > weakest  # [L, B, H_kv, R]
+
+        def replace(held: torch.Tensor, new: torch.Tensor) -> None:
+            """held[..., targets, :] = new where better: new [L, B, H_kv, R, W] (W trailing elements)."""
+            index = targets[..., None].expand(*targets.shape, held.shape[-1])
+            arrived = new.gather(3, order[..., None].expand_as(new))
+            held.scatter_(3, index, torch.where(better[..., None], arrived, held.gather(3, index)))
+
+        for buffer, values in ((self.k, k), (self.v, v)):
+            new_parts = quantize(values, buffer.bits, buffer.rotation).parts if isinstance(buffer, QuantizedKV) else [values.to(buffer.dtype)]
+            for held, new in zip(kv_parts(buffer), new_parts):
+                replace(held, new)
+        replace(self.positions[..., None], positions[..., None])
+        replace(self.score[..., None], scores[..., None])
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor | None = None) -> None:
+        """Write E slots in order from the ring's cursor, over its oldest (of E > N, the last N)."""
         N = self.n_slots
         E = min(k.shape[3], N)
         k, v, positions = k[..., -E:, :], v[..., -E:, :], positions[..., -E:]
@@ -163,9 +206,10 @@ class KVStore:
             kv_store(self.k, index, k[layer].transpose(1, 2))
             kv_store(self.v, index, v[layer].transpose(1, 2))
             self.positions[index] = positions[layer].transpose(1, 2)
+            if scores is not None:
+                self.score[index] = scores[layer, ..., -E:].transpose(1, 2)
         self.filled[rows, slots] = True
         self.next.copy_((self.next + E) % N)
-        self._summarize()
 
     def _summarize(self) -> None:
         """Every page's per-channel minimum and maximum key, over the slots it holds."""

@@ -437,7 +437,7 @@ def test_the_attention_received_equals_the_softmax_attention_recomputed_from_scr
                 paid = (keys @ rotated[h, t] / math.sqrt(D)).softmax(0)
                 row = expected[layer, h // (H // H_kv), : t + 1]
                 row.copy_(row + paid if policy == "h2o" else torch.maximum(row, paid))
-    got = session.policy.received[:, 0, :, :n]
+    got = session.policy.received["sum" if policy == "h2o" else "max"][:, 0, :, :n]
     assert torch.allclose(got, expected, atol=1e-4)
 
 
@@ -453,9 +453,9 @@ def test_h2o_counts_nothing_yet_for_the_tokens_a_chat_turn_appends(tiny_checkpoi
     while session.stats.compactions < 1:
         session.step()
     held = int(session.cache.length[0])
-    assert session.policy.received[:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
+    assert session.policy.received["sum"][:, 0, :, held : held + 6].abs().sum() > 0  # stale sums lie there
     session.prefill([[21, 25, 29, 33, 37, 41]])
-    assert session.policy.received[:, 0, :, held : held + 6].abs().sum() == 0
+    assert session.policy.received["sum"][:, 0, :, held : held + 6].abs().sum() == 0
 
 
 def queries_of(model, sequence: list[int]) -> torch.Tensor:
@@ -614,11 +614,11 @@ def test_a_manager_resumes_from_a_snapshot_with_or_without_the_beacons(tiny_chec
         skip = 4 - beacons
         assert torch.equal(twin.buffer.queries, source.buffer.queries[:, :, :, skip:])
         assert torch.equal(twin.buffer.issued_at, source.buffer.issued_at) and int(twin.buffer.slot) == int(source.buffer.slot) - skip
-        assert torch.equal(twin.received, source.received)
+        assert twin.received.keys() == source.received.keys() == {"sum"} and torch.equal(twin.received["sum"], source.received["sum"])
         assert (twin.buffer.recorded, twin.generated) == (source.buffer.recorded, source.generated) == (9, 9)
     h2o = CompressionManager(CompressionConfig(policy="h2o", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    with pytest.raises(ValueError, match="no record of the attention received"):
-        h2o.resume(saved | {"received": None})
+    with pytest.raises(ValueError, match="no record of the attention received as a sum"):
+        h2o.resume(saved | {"received": {}})
     maxattn = CompressionManager(CompressionConfig(policy="maxattn", budget=64, window=4, n_recent=6), source.cache, model.config.n_heads, model.rope_cos, model.rope_sin)
-    with pytest.raises(ValueError, match="as a sum, this policy needs its max"):
+    with pytest.raises(ValueError, match="no record of the attention received as a max"):
         maxattn.resume(saved)

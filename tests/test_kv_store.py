@@ -11,6 +11,7 @@ from kv.store import KVStore
 from kv.paged import PageConfig
 from engine.scheduler import Request, serve
 from errors import UserError
+from kv.quantized import kv_read, quantize
 from kv.store import page_bound
 from weights.forms import load_model
 
@@ -43,15 +44,16 @@ def test_evicted_offsets_are_the_candidates_not_kept_in_order():
     assert evicted_offsets(keep, 7).tolist() == [[[[1, 2, 5, 6]]]]
 
 
+@pytest.mark.parametrize("store_drops", ["oldest", "least_attended"])
 @pytest.mark.parametrize("pages", [None, PageConfig(block_size=4)], ids=["contiguous", "paged"])
-def test_a_store_that_holds_every_evicted_slot_and_recalls_every_page_gives_the_full_caches_answer(pages, tiny_checkpoint):
+def test_a_store_that_holds_every_evicted_slot_and_recalls_every_page_gives_the_full_caches_answer(pages, store_drops, tiny_checkpoint):
     """Resident slots and the whole store are every slot the full cache holds: the same softmax,
     up to the order of its sums, so the same tokens; eviction alone gives others."""
     model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
     prompts = prompts_of([5, 30, 12])
     full = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages))
     evicting = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages, compression=CompressionConfig(**EVICTING)))
-    stored = CompressionConfig(**EVICTING, store_slots=64, store_dtype="f32", recall_pages=64 // STORE_PAGE)
+    stored = CompressionConfig(**EVICTING, store_slots=64, store_dtype="f32", recall_pages=64 // STORE_PAGE, store_drops=store_drops)
     recalled = generate(model, prompts, 60, eos_ids=frozenset(), options=RunOptions(pages=pages, compression=stored))
     assert recalled.compression.compactions > 3
     assert evicting.tokens != full.tokens
@@ -95,10 +97,47 @@ def test_the_ring_keeps_the_last_demoted_slots_and_summarizes_each_page(tiny_che
     assert torch.equal(store.low, pages.amin(4)) and torch.equal(store.high, pages.amax(4))
 
 
+@pytest.mark.parametrize("store_dtype", ["f32", "int4"])
+def test_a_scored_store_keeps_the_best_scored_slots_ever_demoted(tiny_checkpoint, store_dtype):
+    """Brute force: after demotions of every size (one past the store's size included), each layer,
+    row and KV head holds the N best-scored slots of all those demoted, each with its own key,
+    value and position, and each page's summary is the minimum and maximum of its keys."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    c = model.config
+    L, B, H_kv, D, N = c.n_layers, 2, c.n_kv_heads, c.head_dim, 32
+    store = KVStore.allocate(c, B, N, store_dtype, torch.float32, 1, CPU, scored=True)
+    g = torch.Generator().manual_seed(0)
+    keys, values, scores = [], [], []
+    for count in (12, 12, 5, 40, 3):
+        k, v = torch.randn(L, B, H_kv, count, D, generator=g), torch.randn(L, B, H_kv, count, D, generator=g)
+        first = sum(part.shape[3] for part in keys)
+        score = torch.rand(L, B, H_kv, count, generator=g)
+        store.demote(k, v, torch.arange(first, first + count).expand(L, B, H_kv, count), score)
+        keys, values, scores = keys + [k], values + [v], scores + [score]
+    keys, values, scores = (torch.cat(parts, dim=3) for parts in (keys, values, scores))
+    if store_dtype == "int4":  # what the codes of each demoted slot read back as
+        keys, values = (kv_read(quantize(x, kv.bits, kv.rotation), torch.float32) for x, kv in ((keys, store.k), (values, store.v)))
+    assert bool(store.filled.all())
+    held_keys, held_values = kv_read(store.k, torch.float32), kv_read(store.v, torch.float32)
+    tolerance = 1e-6
+    for layer in range(L):
+        for b in range(B):
+            for head in range(H_kv):
+                best = set(scores[layer, b, head].topk(N).indices.tolist())
+                held = store.positions[layer, b, head].tolist()
+                assert set(held) == best
+                for slot, position in enumerate(held):
+                    assert float(store.score[layer, b, head, slot]) == float(scores[layer, b, head, position])
+                    torch.testing.assert_close(held_keys[layer, b, head, slot], keys[layer, b, head, position], atol=tolerance, rtol=0)
+                    torch.testing.assert_close(held_values[layer, b, head, slot], values[layer, b, head, position], atol=tolerance, rtol=0)
+    pages = held_keys.view(L, B, H_kv, N // STORE_PAGE, STORE_PAGE, D)
+    assert torch.equal(store.low, pages.amin(4)) and torch.equal(store.high, pages.amax(4))
+
+
 def test_compiled_step_with_a_store_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
-    config = CompressionConfig(**EVICTING, store_slots=32, recall_pages=1)
+    config = CompressionConfig(**EVICTING, store_slots=32, recall_pages=1, store_drops="least_attended")
     eager = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config))
     compiled = generate(model, prompts, 40, eos_ids=frozenset(), options=RunOptions(compression=config, compile=True))
     assert eager.compression.compactions > 0
@@ -127,7 +166,9 @@ def test_bad_store_options_get_one_clear_error():
         CompressionConfig(store_slots=32)
     with pytest.raises(UserError, match="multiple of its page of 16"):
         CompressionConfig(**EVICTING, store_slots=40)
-    with pytest.raises(UserError, match="unknown --kv-store-dtype 'int2'"):
-        CompressionConfig(**EVICTING, store_slots=32, store_dtype="int2", recall_pages=1)
+    with pytest.raises(UserError, match="unknown --kv-store-dtype 'int5'"):
+        CompressionConfig(**EVICTING, store_slots=32, store_dtype="int5", recall_pages=1)
+    with pytest.raises(UserError, match="unknown --kv-store-drops 'newest'"):
+        CompressionConfig(**EVICTING, store_slots=32, recall_pages=1, store_drops="newest")
     with pytest.raises(UserError, match="--kv-recall must be between 1 and the store's 2 pages"):
         CompressionConfig(**EVICTING, store_slots=32, recall_pages=3)
