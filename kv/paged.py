@@ -20,10 +20,10 @@ import torch
 
 from errors import UserError
 from kv import flash
-from kv.cache import counters, sdpa
+from kv.cache import counters
 from kv.compaction import BITS, compact_in_place, compaction_moves
 from kv.key_bias import KeyBias
-from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
+from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, attend_codes, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
 from models.config import ModelConfig
 
 SCRATCH_BLOCK = 0
@@ -81,8 +81,12 @@ class PagedView(NamedTuple):
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's first S slots gathered from the pool, [B, H_kv, S, D] each."""
-        k, v = (kv_map(kv, lambda pool: gather_pages(pool, self.pages)) for kv in (self.k, self.v))
+        k, v = self.gathered()
         return read_keys(k, paged_key_bias(self.key_bias, self.pages), dtype), kv_read(v, dtype)
+
+    def gathered(self) -> tuple[KV, KV]:
+        """Each row's first S slots from the pool, as stored, [B, H_kv, S, ...] each."""
+        return tuple(kv_map(kv, lambda pool: gather_pages(pool, self.pages)) for kv in (self.k, self.v))
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
         """flash-attn reads a decode step's slots in use through the block table itself, where it
@@ -90,7 +94,7 @@ class PagedView(NamedTuple):
         if q.shape[2] == 1 and not isinstance(self.k, QuantizedKV):
             if flash.why_not_flash(q.device, q.dtype, self.k.dtype, q.shape[-1], self.k.shape[2], False) is None:
                 return flash.flash_decode(q, self.k, self.v, slots[:, 0] + 1, self.pages.table)
-        return sdpa(q, *self.read(q.dtype), mask)
+        return attend_codes(q, *self.gathered(), paged_key_bias(self.key_bias, self.pages), mask)
 
     def slots_read(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.pages.blocks, 2), (self.pages.offsets, 2)]  # [B, 1, S] each

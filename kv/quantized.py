@@ -203,6 +203,15 @@ def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.T
     return (kv_read(keys, torch.float32) + key_bias.part(key_bias.positions)).to(dtype)
 
 
+def attend_codes(q: torch.Tensor, k: KV, v: KV, key_bias: KeyBias | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [B, H, T, D] over one layer's keys and values [B, H_kv, S, ...]. Rotated keys
+    without a bias are read as they are stored, and q is turned the same way (qR . kR = q . k):
+    one [D, D] product for the queries instead of one for every key."""
+    if isinstance(k, QuantizedKV) and k.rotation is not None and key_bias is None:
+        return sdpa((q.float() @ k.rotation).to(q.dtype), dequantize(k._replace(rotation=None), q.dtype), kv_read(v, q.dtype), mask)
+    return sdpa(q, read_keys(k, key_bias, q.dtype), kv_read(v, q.dtype), mask)
+
+
 def write_keys(keys: KV, key_bias: KeyBias | None, index: tuple, k: torch.Tensor, positions: torch.Tensor) -> None:
     """The new keys k [B, H_kv, T, D] at positions [B, T] into `index` (their slots' [B, T]), without
     their bias part, whose positions go into the same slots of key_bias's."""
@@ -231,7 +240,7 @@ class QuantizedRowsView(NamedTuple):
         return read_keys(self.k, self.key_bias, dtype), kv_read(self.v, dtype)
 
     def attend(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, before_rope: torch.Tensor) -> torch.Tensor:
-        return sdpa(q, *self.read(q.dtype), mask)
+        return attend_codes(q, self.k, self.v, self.key_bias, mask)
 
     def slots_read(self) -> list[tuple[torch.Tensor, int]]:
         parts = kv_parts(self.k) + kv_parts(self.v) + ([] if self.key_bias is None else [self.key_bias.positions])
