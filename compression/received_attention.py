@@ -1,6 +1,7 @@
 """The attention every slot receives, recorded inside the decode step with static shapes and no
-host sync: H2O's sum, or the maximum that maxattn and a store that drops by attention score by. The manager (compression/manager.py) owns the buffer, moves it with
-the slots at each compaction and reads it between steps (the queries: compression/query_buffer.py)."""
+host sync: H2O's sum, or the maximum that maxattn and a store that drops the least attended
+score by. The manager (compression/manager.py) owns the records, moves them with the slots at
+each compaction and reads them between steps (the queries: compression/query_buffer.py)."""
 
 import math
 
