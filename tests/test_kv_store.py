@@ -134,6 +134,33 @@ def test_a_scored_store_keeps_the_best_scored_slots_ever_demoted(tiny_checkpoint
     assert torch.equal(store.low, pages.amin(4)) and torch.equal(store.high, pages.amax(4))
 
 
+def test_a_scored_store_takes_the_most_attention_each_evicted_slot_received(tiny_checkpoint):
+    """At a compaction, each slot the store takes scores what the manager recorded for it in the
+    cache: the most attention it received (the record is read where the slot was, before the move)."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    config = CompressionConfig(**EVICTING, store_slots=64, store_dtype="f32", recall_pages=1, store_drops="least_attended")
+    session = open_session(model, 1, config.slots_needed(9, 10_000), RunOptions(compression=config), eos_ids=frozenset())
+    session.prefill(prompts_of([9]))
+    manager = session.policy
+    seen = {}
+    demote = manager.store.demote
+
+    def watched(*args):
+        seen.update(record=manager.received["max"].clone(), positions=manager.slot_positions().clone())
+        demote(*args)
+
+    manager.store.demote = watched
+    while manager.stats.compactions < 1:
+        session.step()
+    store, n = manager.store, int(manager.store.filled[0].sum())
+    assert n > 0 and float(seen["record"].abs().sum()) > 0
+    for layer in range(store.positions.shape[0]):
+        for head in range(store.positions.shape[2]):
+            for slot in range(n):
+                where = (seen["positions"][layer, 0, head] == store.positions[layer, 0, head, slot]).nonzero()[0, 0]
+                assert float(store.score[layer, 0, head, slot]) == float(seen["record"][layer, 0, head, where])
+
+
 def test_compiled_step_with_a_store_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
