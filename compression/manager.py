@@ -245,13 +245,13 @@ class CompressionManager:
         positions = self.positions.of(cache)  # [L, B, H_kv, S]
         S = int(cache.length.max())
         in_use = cache.slot_ids[None, :S] < cache.length[:, None]  # [B, S]
+        record = self.received[POLICY_RECORD[config.policy]] if config.policy in POLICY_RECORD else None  # [L, B, H_kv, S]
         keep = []
         for layer in range(L):
             context = cache.keys(layer, S)  # [B, H_kv, S, D]
             keys = context.gather(2, candidate_slots[:, None, :, None].expand(B, H_kv, n_candidates, D))
             # A recent query read the keys in use at or before its own position.
             visible = in_use[:, None, None, :] & (positions[layer, :, :, None, :S] <= issued_at[:, None, :, None])  # [B, H_kv, R, S]
-            record = self.received.get(POLICY_RECORD.get(config.policy, ""))
             received = None if record is None else record[layer].gather(2, candidate_slots[:, None, :].expand(B, H_kv, n_candidates))
             keep.append(self._best(
                 config.budget,

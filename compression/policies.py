@@ -87,16 +87,11 @@ def rkv(x: ScoringInputs, mix: float = 0.07, threshold: float = 0.5) -> torch.Te
     return mix * importance - (1 - mix) * redundancy.gather(2, candidates)
 
 
-def h2o(x: ScoringInputs) -> torch.Tensor:
-    """H2O (heavy hitters): the attention a key has received from every query since it was
-    written, accumulated inside the decode step."""
-    return x.received
-
-
-def maxattn(x: ScoringInputs) -> torch.Tensor:
-    """Query-agnostic, in the spirit of KVzip: the most attention any query of the context has paid
-    a key since it was written (max over steps and the heads of its group). KVzip takes that maximum
-    over a pass that re-reads the whole context; here the context's own queries stand in for it."""
+def attention_received(x: ScoringInputs) -> torch.Tensor:
+    """The attention a key has received from every query since it was written, recorded inside the
+    decode step: H2O (heavy hitters) scores its sum; maxattn, query-agnostic in the spirit of KVzip,
+    its maximum over the steps and the group's heads. KVzip takes that maximum over a pass that
+    re-reads the whole context; here the context's own queries stand in for it."""
     return x.received
 
 
@@ -121,7 +116,7 @@ SCORERS: dict[str, Callable[[ScoringInputs], torch.Tensor]] = {
     "snapkv": snapkv,
     "tova": tova,
     "rkv": rkv,
-    "h2o": h2o,
-    "maxattn": maxattn,
+    "h2o": attention_received,
+    "maxattn": attention_received,
     "random": random,
 }

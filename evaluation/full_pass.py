@@ -50,6 +50,8 @@ def load(
     differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
     if not set(settings.get("budgets", ())) <= set(data["settings"].get("budgets", ())):
         differ.append("budgets (the pass holds snapshots for its own budgets only)")
+    if not all(isinstance(saved.get("received"), dict) for saved in data["snapshots"].values()):
+        differ.append("format (saved before the attention received was recorded by name; it cannot be resumed)")
     needed = cells_attention_records(tuple(settings.get("policies", ())))
     if lacking := needed - cells_attention_records(tuple(data["settings"].get("policies", ()))):
         differ.append(f"policies (this run scores by the attention received as a {', '.join(sorted(lacking))}, which the pass does not record)")

@@ -16,7 +16,7 @@ import torch
 
 from kv import STORE_PAGE
 from kv.cache import sdpa
-from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, kv_map, kv_nbytes, kv_parts, kv_read, kv_storage, kv_store, kv_unbind, quantize
+from kv.quantized import KV, allocate_keys_and_values, kv_map, kv_nbytes, kv_read, kv_storage, kv_store, kv_unbind
 from models.config import ModelConfig
 from models.transformer import LayerKV
 
@@ -178,20 +178,12 @@ class KVStore:
             return
         ranked, order = scores.sort(dim=-1, descending=True)  # [L, B, H_kv, R]
         weakest, targets = self.score.topk(scores.shape[-1], dim=-1, largest=False)  # ascending
-        better = ranked > weakest  # [L, B, H_kv, R]
-
-        def replace(held: torch.Tensor, new: torch.Tensor) -> None:
-            """held[..., targets, :] = new where better: new [L, B, H_kv, R, W] (W trailing elements)."""
-            index = targets[..., None].expand(*targets.shape, held.shape[-1])
-            arrived = new.gather(3, order[..., None].expand_as(new))
-            held.scatter_(3, index, torch.where(better[..., None], arrived, held.gather(3, index)))
-
-        for buffer, values in ((self.k, k), (self.v, v)):
-            new_parts = quantize(values, buffer.bits, buffer.rotation).parts if isinstance(buffer, QuantizedKV) else [values.to(buffer.dtype)]
-            for held, new in zip(kv_parts(buffer), new_parts):
-                replace(held, new)
-        replace(self.positions[..., None], positions[..., None])
-        replace(self.score[..., None], scores[..., None])
+        layer, row, head, rank = (ranked > weakest).nonzero(as_tuple=True)  # the pairs where the newcomer wins
+        index, newcomer = (layer, row, head, targets[layer, row, head, rank]), (layer, row, head, order[layer, row, head, rank])
+        kv_store(self.k, index, k[newcomer])
+        kv_store(self.v, index, v[newcomer])
+        self.positions[index] = positions[newcomer]
+        self.score[index] = scores[newcomer]
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor | None = None) -> None:
         """Write E slots in order from the ring's cursor, over its oldest (of E > N, the last N)."""

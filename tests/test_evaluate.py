@@ -12,6 +12,7 @@ import torch
 
 import evaluate
 from compression.config import POLICIES, CompressionConfig
+from errors import UserError
 from evaluation import full_pass
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
 from evaluation.bytes_report import bytes_tables, dominance_table, points
@@ -151,6 +152,12 @@ def test_a_saved_full_pass_gives_every_cell_what_the_computed_one_gives(tiny_fol
     # The recorder is pinned to v1's beacons, so a pass saved before BeaconKV's defaults changed still fits.
     loaded = full_pass.load(tmp_path / "full_pass.pt", settings | {"out": "moved", "beacon_defaults": {"heads_agree": 2}}, model, recorder(config, batch), batch.n_positions)
     assert loaded is not None
+    older = torch.load(tmp_path / "full_pass.pt", weights_only=True)
+    for saved in older["snapshots"].values():
+        saved["received"] = saved["received"]["sum"]  # how a pass was saved before the records had names
+    torch.save(older, tmp_path / "older.pt")
+    with pytest.raises(UserError, match="format .saved before the attention received was recorded by name"):
+        full_pass.load(tmp_path / "older.pt", settings, model, recorder(config, batch), batch.n_positions, required=True)
     runs = {}
     for name, passed in (("computed", computed), ("loaded", loaded)):
         run_all(model, batch, config, lambda run: runs.setdefault((name, run.policy), run), full_pass=passed)
