@@ -32,6 +32,7 @@ from engine.sampling import RowSampling, SamplingConfig
 from engine.scheduler import ContinuousBatch, ContinuousSession, Request
 from errors import UserError, run_command
 from server.app import Served, build_app
+from server.logprobs import TokenText
 from server.worker import Worker
 from weights.generation_config import sampling_defaults
 from weights.forms import load_model
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
             server.should_exit = True
 
     worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving)
-    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size), worker)
+    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json")), worker)
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
     worker.start()

@@ -52,6 +52,14 @@ class KVPolicy(Protocol):
     def stats(self) -> Any: ...
 
 
+class LogitsHook(Protocol):
+    """Per-row rules for the logits (engine/logit_rules.py): `adjust` the logits [B, V] the sampler
+    sees; `record` the sampled tokens [B] beside the raw logits."""
+
+    def adjust(self, logits: torch.Tensor, rows: slice) -> torch.Tensor: ...
+    def record(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None: ...
+
+
 @dataclass
 class StepState:
     """What a decode step reads and advances besides the cache: the same tensors for a whole
@@ -63,6 +71,7 @@ class StepState:
     sampling: SamplingConfig | RowSampling
     seen: torch.Tensor | None = None  # [B, V] bool, the tokens the repetition penalty applies to; updated in place
     blocks: BlockGroups | None = None  # how the blocks run: compiled groups (engine/compile.py), None eager
+    logits_hook: LogitsHook | None = None  # a served request's penalties, bias and log-probabilities
 
     def advanced(self) -> list[torch.Tensor]:
         """The tensors the step overwrites."""
@@ -126,7 +135,11 @@ def decode_step(model: Transformer, cache: KVCache, state: StepState, policy: KV
     cache.position += 1  # now the position the sampled token takes, which seeded draws count by
     # A finished row keeps running (shapes are static), feeding its last token again: a real
     # token id, which EOS is not when a model has none (its stand-in, -1, is no embedding row).
-    next_tokens = torch.where(state.finished, state.tokens, sample(logits, state.sampling, state.seen, cache.position))
+    hook = state.logits_hook
+    sampled = sample(logits if hook is None else hook.adjust(logits, slice(None)), state.sampling, state.seen, cache.position)
+    next_tokens = torch.where(state.finished, state.tokens, sampled)
+    if hook is not None:
+        hook.record(logits, next_tokens, slice(None))
     state.finished |= torch.isin(next_tokens, state.eos)
     state.tokens.copy_(next_tokens)
     return logits

@@ -153,7 +153,10 @@ class Session:
             seen |= seen_tokens(prompts, seen.shape[1], seen.device)
         logits = prefill(self.model, cache, prompts, policy=policy)
         self.last_logits = logits  # [B, V] at each prompt's last token
-        first = sample(logits, state.sampling[rows], seen, cache.position)  # [B]; the positions the first tokens take
+        hook = state.logits_hook
+        first = sample(logits if hook is None else hook.adjust(logits, rows), state.sampling[rows], seen, cache.position)  # [B]; the positions the first tokens take
+        if hook is not None:
+            hook.record(logits, first, rows)
         state.tokens[rows] = first
         state.finished[rows] = torch.isin(first, state.eos)
 

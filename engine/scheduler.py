@@ -22,6 +22,7 @@ import torch
 
 from compression.config import CompressionConfig
 from engine.generation import OnTokens, Session, check_lengths
+from engine.logit_rules import LogitRules, RowLogits, TokenLogprobs
 from engine.options import RunOptions, new_cache, new_policy, new_runner
 from engine.sampling import RowSampling, SamplingConfig
 from errors import UserError
@@ -50,6 +51,8 @@ class ContinuousSession(Session):
         super().__init__(model, cache, eos_ids=eos_ids, sampling=rows, policy=new_policy(model, cache, options, per_row=True), runner=runner)
         if self.state.seen is None:  # a request may join with a repetition penalty of its own (admit)
             self.state.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
+        if not runner.graph:  # a CUDA graph would replay the rules of its capture
+            self.state.logits_hook = RowLogits(batch, model.config.vocab_size, model.device)
         self.state.finished.fill_(True)
         self.joined = [False] * batch  # host: the rows holding a prompt
         self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none
@@ -57,12 +60,14 @@ class ContinuousSession(Session):
     def running(self) -> list[bool]:
         return list(self.joined)
 
-    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0) -> tuple[int, bool]:
+    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules()) -> tuple[int, bool]:
         """Between steps: prefill a prompt into an idle row, sampled with its own settings from now
-        on (None: the row's so far); returns its first token, and whether that ends it (EOS)."""
+        on (None: the row's so far) and its rules for the logits; returns its first token, and
+        whether that ends it (EOS)."""
         assert not self.joined[row], "admit needs an idle row"
         if sampling is not None:
             self.state.sampling.set_row(row, sampling, seed)
+        self.set_rules(row, rules)
         self.state.seen[row] = False  # an idle row's steps marked the tokens it fed
         self.cache.fit(row, len(prompt))
         policy = None
@@ -75,6 +80,21 @@ class ContinuousSession(Session):
         self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
         first = self._sampled()
         return first.tokens[row], first.finished[row]
+
+    def check_rules(self, rules: LogitRules) -> None:
+        if self.state.logits_hook is not None:
+            self.state.logits_hook.check(rules)
+        elif rules != LogitRules():
+            raise UserError("penalties, a logit bias and log-probabilities do not run under a CUDA graph; drop --cuda-graph")
+
+    def set_rules(self, row: int, rules: LogitRules) -> None:
+        self.check_rules(rules)
+        if self.state.logits_hook is not None:
+            self.state.logits_hook.set_row(row, rules)
+
+    def logprobs(self, rows: list[int], tokens: list[int]) -> list[TokenLogprobs]:
+        """The log-probabilities the last prefill or step recorded for these rows' tokens."""
+        return self.state.logits_hook.logprobs(rows, tokens)
 
     def release(self, row: int) -> None:
         """Between steps: the row's prompt is done; its blocks go back to the pool."""
@@ -100,6 +120,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingConfig | None = None  # None: the session's
     seed: int = 0  # its draws, in a session whose rows draw from their own seeds
+    rules: LogitRules = LogitRules()  # penalties, bias, log-probabilities (engine/logit_rules.py)
 
 
 @dataclass
@@ -187,6 +208,7 @@ class ContinuousBatch:
         """A UserError if the request can never run here: too long for the model, a row, or the whole pool."""
         cache = self.session.cache
         check_lengths(self.session.model, [request.prompt], request.max_new_tokens)
+        self.session.check_rules(request.rules)
         slots = self.compression.slots_needed(len(request.prompt), request.max_new_tokens)
         if slots > cache.n_slots:
             raise UserError(
@@ -216,6 +238,11 @@ class ContinuousBatch:
 
     def running(self) -> list[int]:
         return [row for row, key in enumerate(self.rows) if key is not None]
+
+    def logprobs(self, news: dict[Hashable, int]) -> dict[Hashable, TokenLogprobs]:
+        """For on_tokens, while it hears of these running requests' new tokens: their log-probabilities."""
+        keys = list(news)
+        return dict(zip(keys, self.session.logprobs([self.rows.index(key) for key in keys], [news[key] for key in keys])))
 
     def busy(self) -> bool:
         return bool(self.waiting) or any(key is not None for key in self.rows)
@@ -247,7 +274,7 @@ class ContinuousBatch:
         request = self.requests[key]
         self.rows[row] = key
         self.produced[key] = 0
-        self._take(row, *self.session.admit(row, request.prompt, request.sampling, request.seed), news)
+        self._take(row, *self.session.admit(row, request.prompt, request.sampling, request.seed, request.rules), news)
 
     def _take(self, row: int, token: int, ended: bool, news: dict[Hashable, int | None]) -> None:
         """A row's new token into this round's news, or (ended: EOS) the end of its request, which leaves the row at once."""

@@ -19,8 +19,9 @@ from starlette.exceptions import HTTPException
 from cli import AnswerText, sampling_with
 from engine.scheduler import Request
 from errors import UserError
+from server.logprobs import TokenText
 from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event
-from server.worker import Busy, Failed, Finished, Job, NotReady, Worker
+from server.worker import Busy, Failed, Job, NotReady, Piece, Worker
 from weights.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5  # how often a whole-answer request looks whether its client is still there
@@ -34,6 +35,7 @@ class Served:
     tokenizer: Tokenizer
     checkpoint_sampling: dict[str, float | int] | None  # generation_config.json's defaults
     vocab_size: int  # the model's: token ids of a prompt are below it
+    token_text: TokenText  # how log-probabilities show tokens
 
 
 class Refused(Exception):
@@ -84,11 +86,11 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
             prompt = served.tokenizer.encode_chat(messages)
         except UserError as e:  # the template refused the conversation (say, roles out of order)
             raise Refused(400, str(e), param="messages") from None
-        return await answer(body, prompt, Reply(True, served.name), http)
+        return await answer(body, prompt, Reply(True, served.name, served.token_text if body.logprobs else None), http)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await answer(body, completion_prompt(body.prompt), Reply(False, served.name), http)
+        return await answer(body, completion_prompt(body.prompt), Reply(False, served.name, None if body.logprobs is None else served.token_text), http)
 
     def completion_prompt(prompt: str | list[str] | list[int]) -> list[int]:
         """The prompt's token ids: a text encoded, or ids as given."""
@@ -119,7 +121,8 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
             room = worker.room(len(prompt))
             if room < 1:
                 raise UserError(f"the prompt has {len(prompt)} tokens, which leaves no room for an answer; shorten it")
-            request = Request(prompt, room if limit is None else limit, sampling, secrets.randbits(31) if body.seed is None else body.seed)
+            seed = secrets.randbits(31) if body.seed is None else body.seed
+            request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules())
             worker.check(request)
             job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
             worker.submit(job)
@@ -137,8 +140,8 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
             yield reply.chunk("", first=True)
             while True:
                 item = await job.events.get()
-                if isinstance(item, str):
-                    yield reply.chunk(item)
+                if isinstance(item, Piece):
+                    yield reply.chunk(item.text, read=item.logprobs)
                     continue
                 ended = True
                 if isinstance(item, Failed):
@@ -154,7 +157,7 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
                 worker.cancel(job)
 
     async def whole(job: Job, reply: Reply, http: HTTPRequest) -> JSONResponse:
-        pieces = []
+        pieces, logprobs = [], []
         while True:
             try:
                 item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
@@ -163,12 +166,13 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
                     worker.cancel(job)
                     return JSONResponse(error_body("the client went away"), status_code=499)
                 continue
-            if isinstance(item, str):
-                pieces.append(item)
+            if isinstance(item, Piece):
+                pieces.append(item.text)
+                logprobs += item.logprobs
             elif isinstance(item, Failed):
                 status = 400 if worker.state == "ready" else 500
                 return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
             else:
-                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens))
+                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens, logprobs))
 
     return app

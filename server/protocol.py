@@ -1,8 +1,7 @@
 """The OpenAI API's shapes: the requests serve.py accepts (pydantic checks their types and
 ranges), the answers and stream chunks it sends, and its error bodies.
 
-A field of the API that the engine does not implement (logprobs, tools, response_format, the
-penalties, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
+A field of the API that the engine does not implement (tools, response_format, echo, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
 false, 0, empty, the default), as the OpenAI clients send it; `n` other than 1 is refused too.
 Fields the API does not define are ignored.
 """
@@ -14,6 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from engine.logit_rules import MOST_TOP_LOGPROBS, LogitRules, TokenLogprobs
+from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 
 
 class TextPart(BaseModel):
@@ -35,14 +37,9 @@ class StreamOptions(BaseModel):
 
 # Fields of the API the engine does not implement, with the values that ask for nothing.
 NOT_IMPLEMENTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -65,6 +62,9 @@ class Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = None  # token id (a JSON key, so a string) -> added to its logit
     seed: int | None = None
     n: Literal[1] = 1
     stream: bool = False
@@ -88,6 +88,21 @@ class Sampling(BaseModel):
         top_k = None if self.top_k is None else max(self.top_k, 0)
         return {"temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
 
+    @model_validator(mode="after")
+    def check_bias(self) -> "Sampling":
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                raise PydanticCustomError("bias_range", f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
+        return self
+
+    def rules(self) -> LogitRules:
+        bias = tuple((self.logit_bias or {}).items())
+        return LogitRules(self.presence_penalty or 0.0, self.frequency_penalty or 0.0, bias, self.wanted_logprobs())
+
+    def wanted_logprobs(self) -> int | None:
+        """None: no log-probabilities; k: the sampled token's and the k likeliest."""
+        raise NotImplementedError
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -96,6 +111,17 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def top_logprobs_need_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("needs_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def wanted_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def answer_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -103,6 +129,10 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]  # text, a list of one text, or token ids
+    logprobs: int | None = Field(None, ge=0, le=MOST_TOP_LOGPROBS)  # the sampled token's, and this many likeliest
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     def answer_limit(self) -> int | None:
         return self.max_tokens
@@ -117,31 +147,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class Reply:
-    """The answer to one request, whole or as stream chunks, in the shape of its endpoint."""
+    """The answer to one request, whole or as stream chunks, in the shape of its endpoint.
+    token_text: how its log-probabilities' tokens are shown, if it asked for them (else None)."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, token_text: TokenText | None = None):
+        self.chat, self.model, self.token_text = chat, model, token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.sent = 0  # characters of the answer streamed so far (the completions' text_offset)
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def _logprobs(self, read: list[TokenLogprobs], offset: int) -> dict | None:
+        if self.token_text is None:
+            return None
+        return chat_logprobs(read, self.token_text) if self.chat else completion_logprobs(read, self.token_text, offset)
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, read: list[TokenLogprobs]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, first: bool = False) -> str:
-        """One server-sent event: a piece of text, or (piece None) the end with its finish_reason."""
+    def chunk(self, piece: str | None, finish_reason: str | None = None, first: bool = False, read: list[TokenLogprobs] = ()) -> str:
+        """One server-sent event: a piece of text and its tokens' log-probabilities, or (piece None)
+        the end with its finish_reason."""
+        logprobs = self._logprobs(list(read), self.sent) if read else None
+        self.sent += len(piece or "")
         if self.chat:
             delta = {} if piece is None else {"role": "assistant", "content": piece} if first else {"content": piece}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:

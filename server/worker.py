@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cli import AnswerText
+from engine.logit_rules import TokenLogprobs
 from engine.scheduler import ContinuousBatch, Request
 from errors import UserError
 
@@ -34,6 +35,14 @@ class Finished:
 
 
 @dataclass
+class Piece:
+    """Some of the answer's text, and the log-probabilities of the tokens since the last piece (if asked)."""
+
+    text: str
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass
 class Failed:
     """The engine failed while running the job (a bug, not the request's fault)."""
 
@@ -45,12 +54,13 @@ class Job:
     request: Request
     text: AnswerText
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # str pieces, then a Finished or a Failed
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Pieces, then a Finished or a Failed
     key: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens whose text is held back
     started: float = field(default_factory=time.perf_counter)
 
-    def send(self, event: str | Finished | Failed) -> None:
+    def send(self, event: Piece | Finished | Failed) -> None:
         """From the model's thread: hand the event to the handler on the event loop."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
@@ -183,6 +193,8 @@ class Worker:
     def _on_tokens(self, news: dict[int, int | None]) -> list[int]:
         """The batch's news: each job's next piece of text, or its end. Returns the jobs a stop string ended."""
         stopped = []
+        wanting = {key: token for key, token in news.items() if token is not None and key in self.jobs and self.jobs[key].request.rules.top_logprobs is not None}
+        logprobs = self.batch.logprobs(wanting) if wanting else {}
         for key, token in news.items():
             job = self.jobs.get(key)
             if job is None:
@@ -191,17 +203,22 @@ class Worker:
                 self._finish(job)
                 continue
             job.completion_tokens += 1
-            piece = job.text.push(token)
-            if piece:
-                job.send(piece)
+            if key in logprobs:
+                job.logprobs.append(logprobs[key])
+            self._send_text(job, job.text.push(token))
             if job.text.stopped:
                 stopped.append(key)
         return stopped
 
+    def _send_text(self, job: Job, text: str, last: bool = False) -> None:
+        """Send a piece of text with the log-probabilities of every token since the last piece
+        (the last piece: whatever is left, even with no text)."""
+        if text or (last and job.logprobs):
+            job.send(Piece(text, job.logprobs))
+            job.logprobs = []
+
     def _finish(self, job: Job) -> None:
-        piece = job.text.flush()
-        if piece:
-            job.send(piece)
+        self._send_text(job, job.text.flush(), last=True)
         limit_reached = job.completion_tokens == job.request.max_new_tokens and not job.text.stopped
         self.served += 1
         seconds = time.perf_counter() - job.started

@@ -141,6 +141,54 @@ def test_a_stop_string_or_eos_ends_with_finish_reason_stop(server, chat_checkpoi
             break
 
 
+def test_logprobs_spell_the_answer_and_greedy_takes_the_likeliest(server, chat_checkpoint):
+    """Chat's logprobs.content and the completions' lists, whole and streamed: the tokens' bytes
+    spell the answer (the fox's emoji is split across tokens), and at temperature 0 each token is
+    its own first alternative."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me about the fox 🦊"}]
+    chat = client.chat.completions.create(model=chat_checkpoint.name, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 12
+    assert b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace") == chat.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    streamed = client.chat.completions.create(model=chat_checkpoint.name, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+    pieces = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model=chat_checkpoint.name, messages=messages, max_tokens=12, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+    text = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=2)
+    lists = text.choices[0].logprobs
+    spelled = [bytes.fromhex(t.removeprefix("bytes:").replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in lists.tokens]
+    assert b"".join(spelled).decode(errors="replace") == text.choices[0].text and len(lists.token_logprobs) == 10
+    assert lists.text_offset[0] == 0 and lists.text_offset == sorted(lists.text_offset) and lists.text_offset[-1] < len(text.choices[0].text)
+    assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(lists.top_logprobs, lists.token_logprobs))
+
+
+def test_penalties_and_logit_bias_reach_the_answer(server, chat_checkpoint):
+    client = server.client()
+    tokenizer = Tokenizer.from_dir(chat_checkpoint)
+    forced = tokenizer.encode("fox", add_special_tokens=False)[0]
+    text = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=6, temperature=0, logit_bias={str(forced): 100})
+    assert text.choices[0].text == tokenizer.decode([forced] * 6)
+    # A bias of -100 on a greedy answer's first token changes it.
+    plain = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    first_id = tokenizer.encode(first, add_special_tokens=False)[0]
+    banned = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=6, temperature=0, logit_bias={str(first_id): -100}, logprobs=0)
+    assert banned.choices[0].logprobs.tokens[0] != first
+    # Penalties at their strongest stop greedy repeating itself.
+    repeated = client.completions.create(model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=40, temperature=0, logprobs=0).choices[0].logprobs.tokens
+    penalised = client.completions.create(
+        model=chat_checkpoint.name, prompt="Once upon a time", max_tokens=40, temperature=0, logprobs=0, frequency_penalty=2, presence_penalty=2
+    ).choices[0].logprobs.tokens
+    assert len(set(penalised)) > len(set(repeated))
+
+
 def test_concurrent_streams_get_their_solo_answers(server, chat_checkpoint):
     """12 streaming clients at once, over 4 rows: every one completes, with the tokens it gets
     alone; a seeded sampled request draws the same alone and in the crowd."""
@@ -186,11 +234,14 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stream": "yes please"}, "stream"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", [1, 2], "body"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias: the bias of token 5 must be in [-100, 100]"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias: token id 999999 is not in the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"the": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format is not implemented"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not implemented"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty is not implemented"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias is not implemented"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not implemented"),
 ]
 
