@@ -4,7 +4,8 @@
     python serve.py --checkpoint DIR --max-batch 16 --kv-policy beacon --kv-budget 512
 
 POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or whole),
-GET /v1/models, /health (503 while the model loads) and /stats (rows, queue, free blocks).
+GET /v1/models, /health (503 while the model loads), /stats (rows, queue, free blocks) and
+/metrics (Prometheus).
 Requests join the batch between decode steps, each with its own sampling settings and seed, and
 leave when done or when their client goes away. Sampling fields a request leaves out follow the
 checkpoint's generation_config.json, else llama-cli's defaults, as generate.py does. SIGTERM or
@@ -33,6 +34,7 @@ from engine.scheduler import ContinuousBatch, ContinuousSession, Request
 from errors import UserError, run_command
 from server.app import Served, build_app
 from server.logprobs import TokenText
+from server.metrics import Metrics
 from server.worker import Worker
 from weights.generation_config import sampling_defaults
 from weights.forms import load_model
@@ -57,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the decode step at start (default: on CPU; a server runs long enough to repay it)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token: every answer runs to its max_tokens (for load tests)")
+    p.add_argument("--api-key", default=os.environ.get("BEACON_API_KEY"), help="clients must send 'Authorization: Bearer KEY' (default: $BEACON_API_KEY; /health and /metrics stay open)")
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="let browser pages on these origins call the API (CORS), e.g. http://localhost:3000, or * for any")
     p.add_argument("--seed", type=int, default=0, help="the random KV policy's seed (a request's draws follow its own seed field)")
     add_quant_args(p)
     add_compression_args(p)
@@ -121,8 +125,10 @@ def run(args: argparse.Namespace) -> None:
         if server is not None:
             server.should_exit = True
 
-    worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving)
-    app = build_app(Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json")), worker)
+    metrics = Metrics(Path(checkpoint).name)
+    worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving, metrics=metrics)
+    served = Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"))
+    app = build_app(served, worker, metrics, args.api_key or None, args.allowed_origins)
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
     worker.start()

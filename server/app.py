@@ -1,6 +1,8 @@
 """The HTTP side: FastAPI routes for the OpenAI API, on uvicorn's event loop.
 
-A handler checks the request (types and ranges by pydantic; lengths against the cache and the
+With an API key, every route but /health and /metrics wants `Authorization: Bearer KEY` (401
+otherwise); with allowed origins, browsers on those origins may call it (CORS, preflight
+included). A handler checks the request (types and ranges by pydantic; lengths against the cache and the
 model), renders and encodes the prompt, and submits a Job to the model's thread; then it streams
 the job's text as server-sent events, or waits for all of it. Every refusal is one OpenAI-shaped
 error body with a 4xx status; a client that goes away cancels its job.
@@ -13,18 +15,22 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from cli import AnswerText, sampling_with
 from engine.scheduler import Request
 from errors import UserError
 from server.logprobs import TokenText
+from server.metrics import Metrics
 from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event
 from server.worker import Busy, Failed, Job, NotReady, Piece, Worker
 from weights.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5  # how often a whole-answer request looks whether its client is still there
+OPEN_PATHS = {"/health", "/metrics"}  # no API key needed: a load balancer's probe, a Prometheus scrape
 
 
 @dataclass
@@ -44,8 +50,22 @@ class Refused(Exception):
         self.status, self.body = status, error_body(message, kind, param, code)
 
 
-def build_app(served: Served, worker: Worker) -> FastAPI:
+def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     app = FastAPI(title="beacon-engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def check_api_key(http: HTTPRequest, call_next):
+            given = http.headers.get("authorization", "").encode()
+            if http.url.path in OPEN_PATHS or secrets.compare_digest(given, expected):
+                return await call_next(http)
+            message = "no API key given: send the header 'Authorization: Bearer KEY'" if not given else "the API key is not this server's"
+            return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    if allowed_origins:  # added last, so it runs first: a preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
 
     @app.exception_handler(Refused)
     async def refused(_, e: Refused) -> JSONResponse:
@@ -72,6 +92,10 @@ def build_app(served: Served, worker: Worker) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict:
         return worker.stats()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.scrape(worker.stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -21,6 +21,7 @@ from cli import AnswerText
 from engine.logit_rules import TokenLogprobs
 from engine.scheduler import ContinuousBatch, Request
 from errors import UserError
+from server.metrics import Metrics
 
 log = logging.getLogger("serve")
 
@@ -59,6 +60,7 @@ class Job:
     completion_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens whose text is held back
     started: float = field(default_factory=time.perf_counter)
+    last_token: float = 0.0  # when its latest token came out
 
     def send(self, event: Piece | Finished | Failed) -> None:
         """From the model's thread: hand the event to the handler on the event loop."""
@@ -77,9 +79,9 @@ class Worker:
     """Owns the model's thread and its continuous batch. `start_batch` runs on that thread and
     returns the batch (it loads the model, which can take a while); until it has, requests get 503."""
 
-    def __init__(self, start_batch: Callable[[Callable], ContinuousBatch], max_running: int, max_waiting: int, on_failed: Callable[[], None]):
+    def __init__(self, start_batch: Callable[[Callable], ContinuousBatch], max_running: int, max_waiting: int, on_failed: Callable[[], None], metrics: Metrics):
         """on_failed: called from the model's thread if it fails (to stop the server)."""
-        self.start_batch, self.limit, self.on_failed = start_batch, max_running + max_waiting, on_failed
+        self.start_batch, self.limit, self.on_failed, self.metrics = start_batch, max_running + max_waiting, on_failed, metrics
         self.batch: ContinuousBatch | None = None
         self.state = "starting"  # then "ready", or "failed"
         self.error: Exception | None = None
@@ -188,6 +190,7 @@ class Worker:
                 with self.lock:
                     self.jobs.pop(job.key, None)
                 self.cancelled += 1
+                self.metrics.finished("cancelled")
                 log.info("request %d cancelled after %d tokens: the client went away", job.key, job.completion_tokens)
 
     def _on_tokens(self, news: dict[int, int | None]) -> list[int]:
@@ -202,6 +205,7 @@ class Worker:
             if token is None:
                 self._finish(job)
                 continue
+            self._count(job)
             job.completion_tokens += 1
             if key in logprobs:
                 job.logprobs.append(logprobs[key])
@@ -209,6 +213,16 @@ class Worker:
             if job.text.stopped:
                 stopped.append(key)
         return stopped
+
+    def _count(self, job: Job) -> None:
+        now, metrics = time.perf_counter(), self.metrics
+        if job.completion_tokens == 0:
+            metrics.ttft.observe(now - job.started)
+            metrics.prompt_tokens.inc(len(job.request.prompt))
+        else:
+            metrics.inter_token.observe(now - job.last_token)
+        metrics.generated_tokens.inc()
+        job.last_token = now
 
     def _send_text(self, job: Job, text: str, last: bool = False) -> None:
         """Send a piece of text with the log-probabilities of every token since the last piece
@@ -223,7 +237,9 @@ class Worker:
         self.served += 1
         seconds = time.perf_counter() - job.started
         log.info("request %d: %d prompt tokens, %d new tokens in %.1f s", job.key, len(job.request.prompt), job.completion_tokens, seconds)
-        self._end(job, Finished("length" if limit_reached else "stop", len(job.request.prompt), job.completion_tokens))
+        finish_reason = "length" if limit_reached else "stop"
+        self.metrics.finished(finish_reason)
+        self._end(job, Finished(finish_reason, len(job.request.prompt), job.completion_tokens))
 
     def _end(self, job: Job, event: Finished | Failed) -> None:
         with self.lock:

@@ -189,6 +189,70 @@ def test_penalties_and_logit_bias_reach_the_answer(server, chat_checkpoint):
     assert len(set(penalised)) > len(set(repeated))
 
 
+def raw_get(port: int, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, str]:
+    """Status, headers and body text of one request."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(method, path, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
+    finally:
+        connection.close()
+
+
+def scraped(port: int) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed by the Prometheus client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, text = raw_get(port, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_the_requests_tokens_and_latencies(server, chat_checkpoint):
+    model = (("model", chat_checkpoint.name),)
+    before = scraped(server.port)
+    client = server.client()
+    answers = [client.completions.create(model=chat_checkpoint.name, prompt=p, max_tokens=7, temperature=0) for p in ("one", "two words", "three")]
+    after = scraped(server.port)
+
+    def grew(name: str, labels: tuple = model) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("beacon_generation_tokens_total") == sum(a.usage.completion_tokens for a in answers) == 21
+    assert grew("beacon_prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert grew("beacon_requests_total", (("finish_reason", "length"), *model)) == 3
+    assert grew("beacon_time_to_first_token_seconds_count") == 3
+    assert grew("beacon_inter_token_latency_seconds_count") == 3 * 6
+    assert after[("beacon_kv_blocks_used", model)] == 0 and after[("beacon_requests_running", model)] == 0
+    assert after[("beacon_kv_blocks", model)] == server.get("/stats")[1]["pool_blocks"]
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics_and_cors_answers_preflights(chat_checkpoint, tmp_path):
+    guarded = Server(chat_checkpoint, "--no-compile", "--context", "64", "--api-key", "sesame", "--allowed-origins", "http://app.example", log_dir=tmp_path)
+    try:
+        guarded.wait_ready()
+        port = guarded.port
+        assert raw_get(port, "/metrics")[0] == 200
+        for headers, says in [({}, "no API key given"), ({"Authorization": "Bearer wrong"}, "not this server's"), ({"Authorization": "sesame"}, "not this server's")]:
+            status, answer_headers, body = raw_get(port, "/v1/models", headers)
+            error = json.loads(body)["error"]
+            assert status == 401 and error["code"] == "invalid_api_key" and says in error["message"] and answer_headers["www-authenticate"] == "Bearer"
+        with pytest.raises(openai.AuthenticationError):
+            guarded.client().models.list()
+        keyed = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert keyed.completions.create(model=chat_checkpoint.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = raw_get(port, "/v1/chat/completions", preflight, method="OPTIONS")
+        assert status == 200 and headers["access-control-allow-origin"] == "http://app.example" and "POST" in headers["access-control-allow-methods"]
+        assert raw_get(port, "/v1/chat/completions", {**preflight, "Origin": "http://elsewhere.example"}, method="OPTIONS")[0] == 400
+        status, headers, _ = raw_get(port, "/v1/models", {"Origin": "http://app.example", "Authorization": "Bearer sesame"})
+        assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
+    finally:
+        guarded.stop()
+
+
 def test_concurrent_streams_get_their_solo_answers(server, chat_checkpoint):
     """12 streaming clients at once, over 4 rows: every one completes, with the tokens it gets
     alone; a seeded sampled request draws the same alone and in the crowd."""
