@@ -116,6 +116,7 @@ def add_paging_args(p: argparse.ArgumentParser, paged_help: str) -> None:
     g.add_argument("--paged", action="store_true", help=paged_help)
     g.add_argument("--block-size", type=int, help="slots per block, a power of two (default: 16; 256 on CUDA with flash-attn, its page size)")
     g.add_argument("--kv-blocks", type=int, help="blocks in the pool (default: every row's longest case, the contiguous cache's memory)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="continuous batching: prefill every prompt whole (default: a prompt takes the cached blocks it begins with)")
 
 
 def compile_pays(device: torch.device, tokens: int | None) -> bool:

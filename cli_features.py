@@ -37,7 +37,7 @@ from weights.tokenizer import Tokenizer
 
 def run_options(args: argparse.Namespace, device: torch.device, paged: bool, cuda_graph: bool) -> RunOptions:
     """The features a script's options ask for (paged: the run pages its cache)."""
-    return RunOptions(args.compile, cuda_graph, compression_config(args), page_config(args, device, paged), args.kv_dtype)
+    return RunOptions(args.compile, cuda_graph, compression_config(args), page_config(args, device, paged), args.kv_dtype, prefix_cache=args.prefix_cache)
 
 
 def speculation(args: argparse.Namespace, checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Speculation | None:
@@ -167,7 +167,7 @@ def answer_continuously(args, model, tokenizer: Tokenizer, prompts: list[list[in
 
 def batch_summary(run) -> str:
     return (
-        f"prompts: {len(run.tokens)} | prompt tokens: {run.prompt_tokens} | new tokens: {run.new_tokens} | "
+        f"prompts: {len(run.tokens)} | prompt tokens: {run.prompt_tokens} ({run.cached_tokens} cached) | new tokens: {run.new_tokens} | "
         f"{run.new_tokens / run.seconds:.1f} new tok/s over {run.seconds:.1f} s ({run.steps} steps, at most {run.most_rows} prompts at once) | "
         f"KV cache: {run.kv_peak_bytes / 2**20:.1f} of {run.kv_cache_bytes / 2**20:.1f} MiB at its peak"
     )

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> None:
         log.info("loading %s (%s)%s", checkpoint, str(dtype).removeprefix("torch."), "; compiling the decode step" if compile else "")
         model = load_model(checkpoint, dtype, device, quant, args.group_size)
         sampling = RowSampling([SamplingConfig()] * args.max_batch, device, seeded=True)
-        options = RunOptions(compile=compile, compression=compression, pages=pages, kv_dtype=args.kv_dtype)
+        options = RunOptions(compile=compile, compression=compression, pages=pages, kv_dtype=args.kv_dtype, prefix_cache=args.prefix_cache)
         eos_ids = frozenset() if args.ignore_eos else tokenizer.eos_ids
         session = ContinuousSession(model, args.max_batch, context, options, eos_ids=eos_ids, sampling=sampling)
         batch = ContinuousBatch(session, compression, on_tokens)

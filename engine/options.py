@@ -33,6 +33,7 @@ class RunOptions:
     pages: PageConfig | None = None  # a paged cache (kv/paged.py); None: contiguous
     kv_dtype: str = "auto"  # how the cache stores keys and values (kv/quantized.py: kv_storage)
     speculation: Speculation | None = None  # drafts verified several at a time (engine/speculative.py), one prompt
+    prefix_cache: bool = False  # continuous batching: prompts share the cached blocks they begin with (kv/prefix_cache.py)
 
 
 def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions) -> KVCache | PagedKVCache:

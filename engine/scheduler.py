@@ -27,6 +27,7 @@ from engine.options import RunOptions, new_cache, new_policy, new_runner
 from engine.sampling import RowSampling, SamplingConfig
 from errors import UserError
 from kv.paged import PageConfig, PagedKVCache
+from kv.prefix_cache import PrefixCache
 from models.transformer import Transformer
 
 class ContinuousSession(Session):
@@ -51,6 +52,9 @@ class ContinuousSession(Session):
         super().__init__(model, cache, eos_ids=eos_ids, sampling=rows, policy=new_policy(model, cache, options, per_row=True), runner=runner)
         if self.state.seen is None:  # a request may join with a repetition penalty of its own (admit)
             self.state.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
+        if options.prefix_cache and self.policy is None:  # compaction moves slots: a compressed row's blocks are its own
+            salt = repr((model.config, model.dtype, options.kv_dtype, cache.block_size))
+            cache.blocks.prefix = PrefixCache(cache.block_size, salt)
         if not runner.graph:  # a CUDA graph would replay the rules of its capture
             self.state.logits_hook = RowLogits(batch, model.config.vocab_size, model.device)
         self.state.finished.fill_(True)
@@ -60,26 +64,31 @@ class ContinuousSession(Session):
     def running(self) -> list[bool]:
         return list(self.joined)
 
-    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules()) -> tuple[int, bool]:
+    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules()) -> tuple[int, bool, int]:
         """Between steps: prefill a prompt into an idle row, sampled with its own settings from now
-        on (None: the row's so far) and its rules for the logits; returns its first token, and
-        whether that ends it (EOS)."""
+        on (None: the row's so far) and its rules for the logits; returns its first token, whether
+        that ends it (EOS), and how many prompt tokens a prefix cache held (not prefilled)."""
         assert not self.joined[row], "admit needs an idle row"
         if sampling is not None:
             self.state.sampling.set_row(row, sampling, seed)
         self.set_rules(row, rules)
         self.state.seen[row] = False  # an idle row's steps marked the tokens it fed
+        cached = self.cache.share_prefix(row, prompt)
+        self.state.seen[row, torch.tensor(prompt[:cached], dtype=torch.int64, device=self.model.device)] = True
         self.cache.fit(row, len(prompt))
         policy = None
         if self.policy is not None:
             policy = self.policy.rows[row]
             policy.reset()
-        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt], policy)
+        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt[cached:]], policy)
+        if cached:  # a prefill into a row that holds slots leaves the protected prefix alone
+            self.cache.prompt_length[row] = len(prompt)
+        self.cache.register_prefix(row, prompt)
         self.idle[row] = False
         self.joined[row] = True
         self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
         first = self._sampled()
-        return first.tokens[row], first.finished[row]
+        return first.tokens[row], first.finished[row], cached
 
     def check_rules(self, rules: LogitRules) -> None:
         if self.state.logits_hook is not None:
@@ -96,8 +105,10 @@ class ContinuousSession(Session):
         """The log-probabilities the last prefill or step recorded for these rows' tokens."""
         return self.state.logits_hook.logprobs(rows, tokens)
 
-    def release(self, row: int) -> None:
-        """Between steps: the row's prompt is done; its blocks go back to the pool."""
+    def release(self, row: int, tokens: list[int] = ()) -> None:
+        """Between steps: the row's prompt is done; its blocks go back to the pool. tokens: what it
+        fed the cache (its prompt, then its answer), for a prefix cache to find again."""
+        self.cache.register_prefix(row, list(tokens[: self.lengths[row]]))
         self.cache.release(row)
         self.state.finished[row] = True
         self.idle[row] = True
@@ -132,6 +143,7 @@ class BatchRun:
     most_rows: int  # the most prompts running at once
     kv_cache_bytes: int  # the pool
     kv_peak_bytes: int  # the most blocks held at once
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
 
     @property
     def new_tokens(self) -> int:
@@ -173,7 +185,7 @@ def serve(
         batch.step()
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, session.kv_bytes, session.kv_peak_bytes)
+    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, session.kv_bytes, session.kv_peak_bytes, sum(batch.cached_tokens.values()))
 
 
 class ContinuousBatch:
@@ -186,8 +198,9 @@ class ContinuousBatch:
         self.requests: dict[Hashable, Request] = {}  # waiting or running
         self.waiting: deque[Hashable] = deque()
         self.rows: list[Hashable | None] = [None] * len(session.lengths)  # the request each row holds
-        self.produced: dict[Hashable, int] = {}  # tokens so far, per running request
-        self.pool_blocks = len(session.cache.blocks.free)  # the session starts with every row idle
+        self.produced: dict[Hashable, list[int]] = {}  # tokens so far, per running request
+        self.cached_tokens: dict[Hashable, int] = {}  # per request admitted: prompt tokens the prefix cache held
+        self.pool_blocks = session.cache.blocks.n_free  # the session starts with every row idle
         self.steps = self.most_rows = 0
 
     def blocks_needed(self, request: Request) -> int:
@@ -251,7 +264,7 @@ class ContinuousBatch:
         """Free blocks that no running request may still claim."""
         cache = self.session.cache
         owed = sum(self.blocks_needed(self.requests[key]) - len(cache.blocks.rows[row]) for row, key in enumerate(self.rows) if key is not None)
-        return len(cache.blocks.free) - owed
+        return cache.blocks.n_free - owed
 
     def step(self) -> None:
         """Waiting requests join the idle rows while the pool can hold them, then one decode step."""
@@ -273,8 +286,9 @@ class ContinuousBatch:
     def _admit(self, row: int, key: Hashable, news: dict[Hashable, int | None]) -> None:
         request = self.requests[key]
         self.rows[row] = key
-        self.produced[key] = 0
-        self._take(row, *self.session.admit(row, request.prompt, request.sampling, request.seed, request.rules), news)
+        self.produced[key] = []
+        token, ended, self.cached_tokens[key] = self.session.admit(row, request.prompt, request.sampling, request.seed, request.rules)
+        self._take(row, token, ended, news)
 
     def _take(self, row: int, token: int, ended: bool, news: dict[Hashable, int | None]) -> None:
         """A row's new token into this round's news, or (ended: EOS) the end of its request, which leaves the row at once."""
@@ -283,7 +297,7 @@ class ContinuousBatch:
             news[key] = None
             self._leave(row)
         else:
-            self.produced[key] += 1
+            self.produced[key].append(token)
             news[key] = token
 
     def _deliver(self, news: dict[Hashable, int | None]) -> None:
@@ -292,7 +306,7 @@ class ContinuousBatch:
         stopped = set(self.on_tokens(news) or []) if self.on_tokens is not None and news else set()
         ends: dict[Hashable, int | None] = {}
         for row, key in enumerate(self.rows):
-            if key is not None and (key in stopped or self.produced[key] == self.requests[key].max_new_tokens):
+            if key is not None and (key in stopped or len(self.produced[key]) == self.requests[key].max_new_tokens):
                 ends[key] = None
                 self._leave(row)
         if self.on_tokens is not None and ends:
@@ -300,7 +314,7 @@ class ContinuousBatch:
 
     def _leave(self, row: int) -> None:
         key = self.rows[row]
-        self.session.release(row)
+        self.session.release(row, self.requests[key].prompt + self.produced[key])
         self.rows[row] = None
         del self.produced[key]
         self.requests.pop(key)

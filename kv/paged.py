@@ -23,6 +23,7 @@ from kv import flash
 from kv.cache import counters
 from kv.compaction import BITS, compact_in_place, compaction_moves
 from kv.key_bias import KeyBias
+from kv.prefix_cache import PrefixCache
 from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, attend_codes, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
 from models.config import ModelConfig
 
@@ -123,10 +124,11 @@ class BlockManager:
     and how many rows hold each block. A block goes back to the free list when its last holder
     lets it go, so that rows may share blocks (a common prefix)."""
 
-    free: list[int]  # the blocks no row holds, handed out from the end
+    free: list[int]  # the blocks no row holds, handed out from the end (a prefix cache's parked ones aside)
     rows: list[list[int]]  # each row's blocks, in slot order
     holders: list[int]  # [pool blocks] how many rows hold each block (the scratch block: none)
     peak: int = 0  # the most blocks held at once
+    prefix: PrefixCache | None = None  # the full blocks of prompts, findable again (kv/prefix_cache.py)
 
     @classmethod
     def of(cls, n_blocks: int, batch: int) -> "BlockManager":
@@ -134,22 +136,33 @@ class BlockManager:
         return cls(list(range(n_blocks, 0, -1)), [[] for _ in range(batch)], [0] * (n_blocks + 1))
 
     @property
+    def n_free(self) -> int:
+        """The blocks a row may take: the free ones and those a prefix cache keeps parked."""
+        return len(self.free) + (0 if self.prefix is None else len(self.prefix.parked))
+
+    @property
     def in_use(self) -> int:
-        return len(self.holders) - 1 - len(self.free)
+        return len(self.holders) - 1 - self.n_free
 
     def take(self, row: int) -> int:
-        """A free block, appended to the row's."""
-        block = self.free.pop()
+        """A free block (else the least recently used parked one), appended to the row's."""
+        block = self.free.pop() if self.free else self.prefix.evict()
+        self.adopt(row, block)
+        return block
+
+    def adopt(self, row: int, block: int) -> None:
+        """The row holds the block too (a free one, or a cached prefix's), after its others."""
+        if self.holders[block] == 0 and self.prefix is not None:
+            self.prefix.unpark(block)
         self.rows[row].append(block)
         self.holders[block] += 1
         self.peak = max(self.peak, self.in_use)
-        return block
 
     def keep(self, row: int, n_blocks: int) -> None:
         """The row lets go of its blocks past its first n_blocks."""
         for block in reversed(self.rows[row][n_blocks:]):
             self.holders[block] -= 1
-            if self.holders[block] == 0:
+            if self.holders[block] == 0 and (self.prefix is None or not self.prefix.park(block)):
                 self.free.append(block)
         del self.rows[row][n_blocks:]
 
@@ -310,7 +323,7 @@ class PagedKVCache:
             raise UserError(f"a row needs {n_slots} slots but the paged cache's rows hold {self.n_slots}; allocate the cache for longer rows")
         held = self.blocks.rows[row]
         while len(held) * self.block_size < n_slots:
-            if not self.blocks.free:
+            if not self.blocks.n_free:
                 raise UserError(
                     f"the paged cache's {self.pool_blocks - 1} blocks are all in use (a row needs {n_slots} slots); "
                     "give the pool more blocks or run fewer rows at once"
@@ -321,6 +334,22 @@ class PagedKVCache:
         if keep < len(held):
             self.block_table[row, keep : len(held)] = SCRATCH_BLOCK
             self.blocks.keep(row, keep)
+
+    def share_prefix(self, row: int, prompt: list[int]) -> int:
+        """Into an empty row: the cached blocks its prompt begins with, if any (a prefix cache's);
+        returns the slots they fill, which the row's counters now count."""
+        found = [] if self.blocks.prefix is None else self.blocks.prefix.lookup(prompt)
+        for index, block in enumerate(found):
+            self.blocks.adopt(row, block)
+            self.block_table[row, index] = block
+        cached = len(found) * self.block_size
+        self.length[row] = self.position[row] = cached
+        return cached
+
+    def register_prefix(self, row: int, tokens: list[int]) -> None:
+        """The row's slots hold these tokens from slot 0: its full blocks become findable by later prompts."""
+        if self.blocks.prefix is not None:
+            self.blocks.prefix.register(tokens, self.blocks.rows[row])
 
     def release(self, row: int) -> None:
         """Return all of the row's blocks and empty it."""

@@ -173,7 +173,7 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
                     return
                 yield reply.chunk(None, item.finish_reason)
                 if include_usage:
-                    yield reply.usage_chunk(item.prompt_tokens, item.completion_tokens)
+                    yield reply.usage_chunk(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                 yield DONE
                 return
         finally:
@@ -197,6 +197,6 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
                 status = 400 if worker.state == "ready" else 500
                 return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
             else:
-                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens, logprobs))
+                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens, item.cached_tokens, logprobs))
 
     return app

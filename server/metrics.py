@@ -27,6 +27,7 @@ class Metrics:
         self.requests = counter("beacon_requests", "Requests answered, by how they ended", "finish_reason")
         self.prompt_tokens = counter("beacon_prompt_tokens", "Prompt tokens of the requests admitted").labels(**labels)
         self.generated_tokens = counter("beacon_generation_tokens", "Tokens generated").labels(**labels)
+        self.prefix_hits = counter("beacon_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache, not prefilled").labels(**labels)
         self.ttft = Histogram("beacon_time_to_first_token_seconds", "From a request's arrival to its first token", ["model"], buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
         self.inter_token = Histogram("beacon_inter_token_latency_seconds", "Between two tokens of one answer", ["model"], buckets=INTER_TOKEN_BUCKETS, registry=self.registry).labels(**labels)
         self.running = gauge("beacon_requests_running", "Requests holding a row of the batch")

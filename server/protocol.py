@@ -142,8 +142,11 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 class Reply:
@@ -164,13 +167,13 @@ class Reply:
             return None
         return chat_logprobs(read, self.token_text) if self.chat else completion_logprobs(read, self.token_text, offset)
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, read: list[TokenLogprobs]) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int, read: list[TokenLogprobs]) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._head(kind), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, piece: str | None, finish_reason: str | None = None, first: bool = False, read: list[TokenLogprobs] = ()) -> str:
         """One server-sent event: a piece of text and its tokens' log-probabilities, or (piece None)
@@ -184,9 +187,9 @@ class Reply:
             choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return event({**self._head(kind), "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        return event({**self._head(kind), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
 
 
 def event(data: dict | str) -> str:

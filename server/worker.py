@@ -33,6 +33,7 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (its max_tokens)
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt's, found in the prefix cache
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens whose text is held back
     started: float = field(default_factory=time.perf_counter)
     last_token: float = 0.0  # when its latest token came out
+    cached_tokens: int = 0  # of its prompt's, found in the prefix cache (known once it is admitted)
 
     def send(self, event: Piece | Finished | Failed) -> None:
         """From the model's thread: hand the event to the handler on the event loop."""
@@ -91,7 +93,7 @@ class Worker:
         self.wake = threading.Event()
         self.stopping = False
         self.keys = itertools.count()
-        self.served = self.cancelled = 0
+        self.served = self.cancelled = self.prefix_hits = 0
         self.thread = threading.Thread(target=self._run, name="model", daemon=True)
 
     def start(self) -> None:
@@ -140,12 +142,13 @@ class Worker:
             "state": self.state,
             "running": running,
             "waiting": len(self.jobs) - running,
-            "free_blocks": 0 if batch is None else len(batch.session.cache.blocks.free),
+            "free_blocks": 0 if batch is None else batch.session.cache.blocks.n_free,
             "pool_blocks": 0 if batch is None else batch.pool_blocks,
             "kv_peak_bytes": 0 if batch is None else batch.session.kv_peak_bytes,
             "most_running": 0 if batch is None else batch.most_rows,
             "served": self.served,
             "cancelled": self.cancelled,
+            "prefix_cache_hit_tokens": self.prefix_hits,
         }
 
     def _run(self) -> None:
@@ -187,6 +190,7 @@ class Worker:
                     self._end(job, Failed(str(e)))
             elif job.key in self.jobs:
                 self.batch.cancel(job.key)
+                self.batch.cached_tokens.pop(job.key, None)
                 with self.lock:
                     self.jobs.pop(job.key, None)
                 self.cancelled += 1
@@ -217,12 +221,19 @@ class Worker:
     def _count(self, job: Job) -> None:
         now, metrics = time.perf_counter(), self.metrics
         if job.completion_tokens == 0:
+            self._admitted(job)
             metrics.ttft.observe(now - job.started)
-            metrics.prompt_tokens.inc(len(job.request.prompt))
         else:
             metrics.inter_token.observe(now - job.last_token)
         metrics.generated_tokens.inc()
         job.last_token = now
+
+    def _admitted(self, job: Job) -> None:
+        """Its prompt is in the cache: count it, and what the prefix cache held of it."""
+        job.cached_tokens = self.batch.cached_tokens.pop(job.key, 0)
+        self.metrics.prompt_tokens.inc(len(job.request.prompt))
+        self.metrics.prefix_hits.inc(job.cached_tokens)
+        self.prefix_hits += job.cached_tokens
 
     def _send_text(self, job: Job, text: str, last: bool = False) -> None:
         """Send a piece of text with the log-probabilities of every token since the last piece
@@ -232,6 +243,8 @@ class Worker:
             job.logprobs = []
 
     def _finish(self, job: Job) -> None:
+        if job.completion_tokens == 0:  # it ended with its first token
+            self._admitted(job)
         self._send_text(job, job.text.flush(), last=True)
         limit_reached = job.completion_tokens == job.request.max_new_tokens and not job.text.stopped
         self.served += 1
@@ -239,7 +252,7 @@ class Worker:
         log.info("request %d: %d prompt tokens, %d new tokens in %.1f s", job.key, len(job.request.prompt), job.completion_tokens, seconds)
         finish_reason = "length" if limit_reached else "stop"
         self.metrics.finished(finish_reason)
-        self._end(job, Finished(finish_reason, len(job.request.prompt), job.completion_tokens))
+        self._end(job, Finished(finish_reason, len(job.request.prompt), job.completion_tokens, job.cached_tokens))
 
     def _end(self, job: Job, event: Finished | Failed) -> None:
         with self.lock:
