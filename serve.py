@@ -17,6 +17,7 @@ sampling settings change between steps, and a graph would keep the filters of it
 
 import argparse
 import errno
+import json
 import logging
 import os
 import socket
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token: every answer runs to its max_tokens (for load tests)")
     p.add_argument("--api-key", default=os.environ.get("BEACON_API_KEY"), help="clients must send 'Authorization: Bearer KEY' (default: $BEACON_API_KEY; /health and /metrics stay open)")
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="let browser pages on these origins call the API (CORS), e.g. http://localhost:3000, or * for any")
+    p.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON", help="the chat template's extra variables for every request that does not set its own, e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--seed", type=int, default=0, help="the random KV policy's seed (a request's draws follow its own seed field)")
     add_quant_args(p)
     add_compression_args(p)
@@ -69,6 +71,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.paged:
         p.error("--paged is always on here; drop it")
     return args
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
 
     metrics = Metrics(Path(checkpoint).name)
     worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving, metrics=metrics)
-    served = Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"))
+    served = Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"), args.chat_template_kwargs)
     app = build_app(served, worker, metrics, args.api_key or None, args.allowed_origins)
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))

@@ -25,7 +25,9 @@ from engine.scheduler import Request
 from errors import UserError
 from server.logprobs import TokenText
 from server.metrics import Metrics
-from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event
+from engine.logit_rules import TokenLogprobs
+from server.answer_parts import THINK_OPEN, AnswerParts, tool_format
+from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event, usage
 from server.worker import Busy, Failed, Job, NotReady, Piece, Worker
 from weights.tokenizer import Tokenizer
 
@@ -42,6 +44,7 @@ class Served:
     checkpoint_sampling: dict[str, float | int] | None  # generation_config.json's defaults
     vocab_size: int  # the model's: token ids of a prompt are below it
     token_text: TokenText  # how log-probabilities show tokens
+    template_kwargs: dict  # the chat template's extra variables unless a request says otherwise (--chat-template-kwargs)
 
 
 class Refused(Exception):
@@ -103,14 +106,21 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest):
-        if not served.tokenizer.has_chat_template:
+        template = served.tokenizer.chat_template
+        if template is None:
             raise Refused(400, "this checkpoint has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        tools = body.offered_tools()
+        calls_format = tool_format(template)
+        if tools and calls_format is None:
+            raise Refused(400, "tools: this checkpoint's chat template never shows tools to the model; drop them", param="tools")
+        variables = {**served.template_kwargs, **(body.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
-            prompt = served.tokenizer.encode_chat(messages)
+            text = served.tokenizer.render_chat([m.for_template() for m in body.messages], **variables)
         except UserError as e:  # the template refused the conversation (say, roles out of order)
             raise Refused(400, str(e), param="messages") from None
-        return await answer(body, prompt, Reply(True, served.name, served.token_text if body.logprobs else None), http)
+        parts = AnswerParts(thinking=text.rstrip().endswith(THINK_OPEN), tools=calls_format if tools else None)
+        prompt = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        return await answer(body, prompt, Reply(True, served.name, served.token_text if body.logprobs else None), http, parts)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -128,11 +138,13 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             raise Refused(400, f"prompt: one prompt per request, got a list of {len(prompt)}", param="prompt")
         return served.tokenizer.encode(prompt[0])
 
-    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest):
+    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest, parts: AnswerParts | None = None):
+        """parts: how a chat answer splits into reasoning, content and tool calls (None: all content)."""
         job = submit(body, prompt)
+        parts = parts or AnswerParts(thinking=False, tools=None, split_reasoning=False)
         if body.stream:
-            return StreamingResponse(stream(job, reply, body.include_usage), media_type="text/event-stream")
-        return await whole(job, reply, http)
+            return StreamingResponse(stream(job, reply, parts, body.include_usage), media_type="text/event-stream")
+        return await whole(job, reply, parts, http)
 
     def submit(body: ChatRequest | CompletionRequest, prompt: list[int]) -> Job:
         if body.model is not None and body.model != served.name:
@@ -158,29 +170,38 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             raise Refused(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
         return job
 
-    async def stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(job: Job, reply: Reply, parts: AnswerParts, include_usage: bool) -> AsyncIterator[str]:
         ended = False
+        held: list[TokenLogprobs] = []  # of tokens whose text the parts hold back
         try:
-            yield reply.chunk("", first=True)
+            yield reply.first_chunk()
             while True:
                 item = await job.events.get()
                 if isinstance(item, Piece):
-                    yield reply.chunk(item.text, read=item.logprobs)
+                    held += item.logprobs
+                    for channel, text in parts.push(item.text):
+                        yield reply.chunk(channel, text, held)
+                        held = []
                     continue
                 ended = True
                 if isinstance(item, Failed):
                     yield event(error_body(item.message, "server_error"))
                     return
-                yield reply.chunk(None, item.finish_reason)
+                for channel, text in parts.finish():
+                    yield reply.chunk(channel, text, held)
+                    held = []
+                if parts.calls:
+                    yield reply.calls_chunk(parts.calls)
+                yield reply.last_chunk(item.finish_reason, parts.calls)
                 if include_usage:
-                    yield reply.usage_chunk(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                    yield reply.usage_chunk(usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens))
                 yield DONE
                 return
         finally:
             if not ended:  # the client went away (the response was cancelled)
                 worker.cancel(job)
 
-    async def whole(job: Job, reply: Reply, http: HTTPRequest) -> JSONResponse:
+    async def whole(job: Job, reply: Reply, parts: AnswerParts, http: HTTPRequest) -> JSONResponse:
         pieces, logprobs = [], []
         while True:
             try:
@@ -191,12 +212,14 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
                     return JSONResponse(error_body("the client went away"), status_code=499)
                 continue
             if isinstance(item, Piece):
-                pieces.append(item.text)
+                pieces += parts.push(item.text)
                 logprobs += item.logprobs
             elif isinstance(item, Failed):
                 status = 400 if worker.state == "ready" else 500
                 return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
             else:
-                return JSONResponse(reply.whole("".join(pieces), item.finish_reason, item.prompt_tokens, item.completion_tokens, item.cached_tokens, logprobs))
+                pieces += parts.finish()
+                answer_usage = usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                return JSONResponse(reply.whole(pieces, parts.calls, item.finish_reason, answer_usage, logprobs))
 
     return app

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.logit_rules import MOST_TOP_LOGPROBS, LogitRules, TokenLogprobs
+from server.answer_parts import ToolCall
 from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 
 
@@ -23,12 +24,72 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @model_validator(mode="after")
+    def arguments_are_an_object(self) -> "CalledFunction":
+        try:
+            parsed = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError("arguments", f"tool call {self.name}: arguments must be a JSON object, as text")
+        return self
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
+
+    @model_validator(mode="after")
+    def content_or_calls(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        """As chat templates read a message: the calls' arguments as objects (Qwen's templates write them with tojson)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        return message
+
+
+class Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]
 
 
 class StreamOptions(BaseModel):
@@ -41,11 +102,8 @@ NOT_IMPLEMENTED = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "chat_template_kwargs": (None, {}),
 }
 
 
@@ -113,12 +171,23 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict | None = None  # extra variables of the chat template (e.g. enable_thinking)
 
     @model_validator(mode="after")
     def top_logprobs_need_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("needs_logprobs", "top_logprobs needs logprobs: true")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise PydanticCustomError("not_implemented", "tool_choice 'required' or a named function needs constrained decoding, which this server does not implement; send 'auto' or 'none'")
         return self
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model is shown: none when tool_choice is 'none'."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def wanted_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -167,29 +236,49 @@ class Reply:
             return None
         return chat_logprobs(read, self.token_text) if self.chat else completion_logprobs(read, self.token_text, offset)
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int, read: list[TokenLogprobs]) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+    def whole(self, parts: list[tuple[str, str]], calls: list[ToolCall], finish_reason: str, usage: dict, read: list[TokenLogprobs]) -> dict:
+        """parts: the answer's ("reasoning" | "content", text) in order."""
+        content = "".join(text for channel, text in parts if channel == "content")
+        if not self.chat:
+            choice = {"index": 0, "text": content, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
+            return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        reasoning = "".join(text for channel, text in parts if channel == "reasoning")
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [call.as_api() for call in calls]
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(read, 0), "finish_reason": "tool_calls" if calls else finish_reason}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, first: bool = False, read: list[TokenLogprobs] = ()) -> str:
-        """One server-sent event: a piece of text and its tokens' log-probabilities, or (piece None)
-        the end with its finish_reason."""
+    def chunk(self, channel: str, text: str, read: list[TokenLogprobs] = ()) -> str:
+        """One server-sent event: a piece of the answer ("content" or "reasoning"), and the
+        log-probabilities of the tokens since the last event."""
         logprobs = self._logprobs(list(read), self.sent) if read else None
-        self.sent += len(piece or "")
-        if self.chat:
-            delta = {} if piece is None else {"role": "assistant", "content": piece} if first else {"content": piece}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
+        if not self.chat:
+            self.sent += len(text)
+            return self._event({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
+        delta = {"reasoning_content" if channel == "reasoning" else "content": text}
+        return self._event({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> str:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return event({**self._head(kind), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+    def first_chunk(self) -> str:
+        if not self.chat:
+            return self._event({"index": 0, "text": "", "logprobs": None, "finish_reason": None})
+        return self._event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+
+    def calls_chunk(self, calls: list[ToolCall]) -> str:
+        return self._event({"index": 0, "delta": {"tool_calls": [call.as_api(i) for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None})
+
+    def last_chunk(self, finish_reason: str, calls: list[ToolCall]) -> str:
+        if not self.chat:
+            return self._event({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason})
+        return self._event({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if calls else finish_reason})
+
+    def usage_chunk(self, usage: dict) -> str:
+        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": usage})
+
+    def _event(self, choice: dict) -> str:
+        return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]})
 
 
 def event(data: dict | str) -> str:

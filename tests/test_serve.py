@@ -327,7 +327,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"the": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format is not implemented"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template never shows tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice 'required'"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "a tool message needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1"}}]}]}, "arguments must be a JSON object"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not implemented"),
 ]
 

@@ -109,7 +109,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         """The chat as text, rendered as transformers' apply_chat_template(tokenize=False) renders it.
 
-        template_kwargs are extra template variables (e.g. enable_thinking=False for Qwen3).
+        template_kwargs are extra template variables (e.g. enable_thinking=False for Qwen3, tools).
         """
         if self.chat_template is None:
             raise UserError("this checkpoint has no chat template: give a plain prompt instead of a chat")
@@ -117,15 +117,9 @@ class Tokenizer:
             raise UserError("cannot apply the chat template to an empty conversation: give at least one message")
         if self._compiled is None:
             self._compiled = _chat_environment().from_string(self.chat_template)
-        variables = {**self.special_tokens, **_plain(template_kwargs)}
+        variables = {"tools": None, "documents": None, **self.special_tokens, **_plain(template_kwargs)}
         try:
-            return self._compiled.render(
-                messages=_prepare_messages(messages),
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            return self._compiled.render(messages=_prepare_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:  # raise_exception() in the template, e.g. roles must alternate
             raise UserError(f"the chat template rejected the conversation: {e}") from e
 

@@ -1,0 +1,189 @@
+"""Tool calls and reasoning in chat answers: the answer split into reasoning, content and calls
+as it streams (every chunking of a hand-written answer gives the whole answer's parts), and the
+tools, the tool messages and the template's variables rendered as transformers renders them."""
+
+import json
+import shutil
+
+import pytest
+import transformers
+
+from server.answer_parts import AnswerParts, tool_format
+from tests.test_serve import Server
+from tests.tiny_tokenizer import write_tiny_tokenizer
+
+# A ChatML template that shows tools (Hermes' style, as Qwen2.5's), written for these tests.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call these tools:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n'
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    '{% for call in message.tool_calls %}<tool_call>\n{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{%- endif %}"
+)
+LLAMA_STYLE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}Respond with a JSON function call.{% endif %}"
+
+
+def split(text: str, every: int) -> list[str]:
+    return [text[i : i + every] for i in range(0, len(text), every)]
+
+
+def parts_of(text: str, every: int, thinking: bool = False, tools: str | None = "tagged") -> tuple[dict, list, list]:
+    """The text pushed in pieces of `every` characters: what came out per channel, the calls, and every piece given out."""
+    parts = AnswerParts(thinking, tools)
+    given = [part for piece in split(text, every) for part in parts.push(piece)] + parts.finish()
+    joined = {channel: "".join(t for c, t in given if c == channel) for channel in ("reasoning", "content")}
+    return joined, [(c.name, json.loads(c.arguments)) for c in parts.calls], given
+
+
+@pytest.mark.parametrize("every", [1, 2, 5, 13, 1000])
+def test_tagged_calls_are_parsed_out_and_never_streamed_as_content(every):
+    answer = 'Let me look.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    joined, calls, given = parts_of(answer, every)
+    assert joined == {"reasoning": "", "content": "Let me look."}
+    assert calls == [("weather", {"city": "Paris"}), ("time", {})]
+    assert not any("<" in text for _, text in given)
+
+
+@pytest.mark.parametrize("every", [1, 4, 1000])
+def test_reasoning_is_split_from_the_content(every):
+    joined, calls, _ = parts_of("<think>Paris is in France.</think>\n\nIt is sunny.", every)
+    assert joined == {"reasoning": "Paris is in France.", "content": "It is sunny."} and calls == []
+    # The template opened <think> itself: the answer starts inside the reasoning.
+    joined, _, _ = parts_of("Short plan.</think>Done.", every, thinking=True)
+    assert joined == {"reasoning": "Short plan.", "content": "Done."}
+    # An answer with no reasoning, that merely starts like a tag.
+    assert parts_of("<thin ice", every)[0] == {"reasoning": "", "content": "<thin ice"}
+
+
+def test_a_call_that_does_not_parse_stays_content_and_no_tools_means_no_calls():
+    joined, calls, _ = parts_of("<tool_call>{not json}</tool_call> sorry", 3)
+    assert calls == [] and joined["content"] == "<tool_call>{not json}</tool_call> sorry"
+    joined, calls, _ = parts_of('<tool_call>{"name": "f", "arguments": {}}</tool_call>', 3, tools=None)
+    assert calls == [] and joined["content"] == '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("every", [1, 6, 1000])
+def test_json_calls_as_llama_3_writes_them(every):
+    assert parts_of('{"name": "weather", "parameters": {"city": "Oslo"}}', every, tools="json")[1] == [("weather", {"city": "Oslo"})]
+    assert parts_of('{"answer": 42}', every, tools="json")[0]["content"] == '{"answer": 42}'
+    assert parts_of("It is {warm}.", every, tools="json")[0]["content"] == "It is {warm}."
+
+
+def test_the_call_format_follows_the_template():
+    assert tool_format(TOOL_TEMPLATE) == "tagged" and tool_format(LLAMA_STYLE) == "json" and tool_format("{{ messages }}") is None
+
+
+@pytest.fixture(scope="module")
+def tool_server(chat_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tools")
+    shutil.copytree(chat_checkpoint, folder, dirs_exist_ok=True)
+    write_tiny_tokenizer(folder, TOOL_TEMPLATE)
+    server = Server(folder, "--no-compile", "--context", "512", "--chat-template-kwargs", '{"enable_thinking": false}')
+    server.wait_ready()
+    yield server, folder
+    server.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_and_tool_messages_are_rendered_as_transformers_renders_them(tool_server):
+    server, folder = tool_server
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+    ]
+    as_transformers = [dict(m) for m in messages]
+    as_transformers[2] = {**messages[2], "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}
+
+    def prompt_tokens(body: dict) -> int:
+        status, answer = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3, **body})
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens"]
+
+    def rendered(**kwargs) -> int:
+        return len(reference.apply_chat_template(as_transformers, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+    assert prompt_tokens({"tools": TOOLS}) == rendered(tools=TOOLS, enable_thinking=False)
+    assert prompt_tokens({"tools": TOOLS, "tool_choice": "none"}) == rendered(enable_thinking=False)  # 'none': the model is not shown them
+    assert prompt_tokens({"chat_template_kwargs": {"enable_thinking": True}}) == rendered(enable_thinking=True)  # the request's over the server's
+    assert prompt_tokens({}) == rendered(enable_thinking=False) < rendered(tools=TOOLS, enable_thinking=False)
+
+
+class ScriptedWorker:
+    """Stands in for the model's thread: every request is answered with the script's text, in
+    pieces of a few characters, through the same events a real job gets."""
+
+    state = "ready"
+
+    def __init__(self, script: str):
+        self.script = script
+
+    def room(self, prompt_length: int) -> int:
+        return 100
+
+    def check(self, request) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"running": 0, "waiting": 0, "free_blocks": 1, "pool_blocks": 1}
+
+    def cancel(self, job) -> None:
+        pass
+
+    def submit(self, job) -> None:
+        from server.worker import Finished, Piece
+
+        for piece in split(self.script, 3):
+            job.send(Piece(piece, []))
+        job.send(Finished("stop", len(job.request.prompt), 9, 0))
+
+
+def scripted_client(folder, script: str):
+    from fastapi.testclient import TestClient
+
+    from server.app import Served, build_app
+    from server.logprobs import TokenText
+    from server.metrics import Metrics
+    from weights.tokenizer import Tokenizer
+
+    served = Served("tiny", Tokenizer.from_dir(folder), None, 500, TokenText(folder / "tokenizer.json"), {})
+    app = build_app(served, ScriptedWorker(script), Metrics("tiny"))
+    import openai
+
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(app))
+
+
+def test_calls_and_reasoning_reach_the_openai_client_whole_and_streamed(tool_server):
+    _, folder = tool_server
+    script = '<think>Need the weather.</think>\n\nChecking.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    client = scripted_client(folder, script)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    assert choice.message.reasoning_content == "Need the weather."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and json.loads(call.function.arguments) == {"city": "Paris"} and call.id.startswith("call_")
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Need the weather."
+    [streamed] = [call for d in deltas for call in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "weather" and json.loads(streamed.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # Without tools offered, the same text is content: nothing is parsed out of it, nothing lost.
+    plain = client.chat.completions.create(model="tiny", messages=messages).choices[0]
+    assert plain.finish_reason == "stop" and plain.message.tool_calls is None and "<tool_call>" in plain.message.content
