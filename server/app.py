@@ -10,7 +10,7 @@ error body with a 4xx status; a client that goes away cancels its job.
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -27,8 +27,8 @@ from server.logprobs import TokenText
 from server.metrics import Metrics
 from engine.logit_rules import TokenLogprobs
 from server.answer_parts import THINK_OPEN, AnswerParts, tool_format
-from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event, usage
-from server.worker import Busy, Failed, Job, NotReady, Piece, Worker
+from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event, usage_of
+from server.worker import Busy, Failed, Finished, Job, NotReady, Piece, Worker
 from weights.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5  # how often a whole-answer request looks whether its client is still there
@@ -118,9 +118,10 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             text = served.tokenizer.render_chat([m.for_template() for m in body.messages], **variables)
         except UserError as e:  # the template refused the conversation (say, roles out of order)
             raise Refused(400, str(e), param="messages") from None
-        parts = AnswerParts(thinking=text.rstrip().endswith(THINK_OPEN), tools=calls_format if tools else None)
+        thinking, calls_format = text.rstrip().endswith(THINK_OPEN), calls_format if tools else None
         prompt = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        return await answer(body, prompt, Reply(True, served.name, served.token_text if body.logprobs else None), http, parts)
+        reply = Reply(True, served.name, served.token_text if body.logprobs else None)
+        return await answer(body, prompt, reply, http, lambda: AnswerParts(thinking, calls_format))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -138,15 +139,22 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             raise Refused(400, f"prompt: one prompt per request, got a list of {len(prompt)}", param="prompt")
         return served.tokenizer.encode(prompt[0])
 
-    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest, parts: AnswerParts | None = None):
-        """parts: how a chat answer splits into reasoning, content and tool calls (None: all content)."""
-        job = submit(body, prompt)
-        parts = parts or AnswerParts(thinking=False, tools=None, split_reasoning=False)
+    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest, new_parts: Callable[[], AnswerParts] = lambda: AnswerParts(False, None, split_reasoning=False)):
+        """new_parts: how a chat answer splits into reasoning, content and tool calls (default: all content)."""
+        jobs: list[Job] = []
+        try:
+            for index in range(body.n):  # the first one's prefill makes the prompt's blocks findable for the others
+                jobs.append(submit(body, prompt, index))
+        except Refused:
+            for job in jobs:
+                worker.cancel(job)
+            raise
+        parts = [new_parts() for _ in jobs]
         if body.stream:
-            return StreamingResponse(stream(job, reply, parts, body.include_usage), media_type="text/event-stream")
-        return await whole(job, reply, parts, http)
+            return StreamingResponse(stream(jobs, reply, parts, len(prompt), body.include_usage), media_type="text/event-stream")
+        return await whole(jobs, reply, parts, len(prompt), http)
 
-    def submit(body: ChatRequest | CompletionRequest, prompt: list[int]) -> Job:
+    def submit(body: ChatRequest | CompletionRequest, prompt: list[int], index: int) -> Job:
         if body.model is not None and body.model != served.name:
             raise Refused(404, f"model '{body.model}' is not served here; this server serves '{served.name}'", "not_found_error", "model", "model_not_found")
         if not prompt:
@@ -157,7 +165,7 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             room = worker.room(len(prompt))
             if room < 1:
                 raise UserError(f"the prompt has {len(prompt)} tokens, which leaves no room for an answer; shorten it")
-            seed = secrets.randbits(31) if body.seed is None else body.seed
+            seed = secrets.randbits(31) if body.seed is None else body.seed + index
             request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules())
             worker.check(request)
             job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
@@ -170,56 +178,73 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             raise Refused(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
         return job
 
-    async def stream(job: Job, reply: Reply, parts: AnswerParts, include_usage: bool) -> AsyncIterator[str]:
-        ended = False
-        held: list[TokenLogprobs] = []  # of tokens whose text the parts hold back
-        try:
-            yield reply.first_chunk()
+    async def stream(jobs: list[Job], reply: Reply, parts: list[AnswerParts], prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        events: asyncio.Queue = asyncio.Queue()  # (answer index, event), the answers' events as they come
+
+        async def forward(index: int, job: Job) -> None:
             while True:
                 item = await job.events.get()
-                if isinstance(item, Piece):
-                    held += item.logprobs
-                    for channel, text in parts.push(item.text):
-                        yield reply.chunk(channel, text, held)
-                        held = []
-                    continue
-                ended = True
+                events.put_nowait((index, item))
+                if not isinstance(item, Piece):
+                    return
+
+        forwarding = [asyncio.create_task(forward(index, job)) for index, job in enumerate(jobs)]
+        held: list[list[TokenLogprobs]] = [[] for _ in jobs]  # of tokens whose text the parts hold back
+        ends: dict[int, Finished] = {}
+        try:
+            for index in range(len(jobs)):
+                yield reply.first_chunk(index)
+            while len(ends) < len(jobs):
+                index, item = await events.get()
                 if isinstance(item, Failed):
                     yield event(error_body(item.message, "server_error"))
                     return
-                for channel, text in parts.finish():
-                    yield reply.chunk(channel, text, held)
-                    held = []
-                if parts.calls:
-                    yield reply.calls_chunk(parts.calls)
-                yield reply.last_chunk(item.finish_reason, parts.calls)
-                if include_usage:
-                    yield reply.usage_chunk(usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens))
-                yield DONE
-                return
+                answer_parts = parts[index].push(item.text) if isinstance(item, Piece) else parts[index].finish()
+                held[index] += item.logprobs if isinstance(item, Piece) else []
+                for channel, text in answer_parts:
+                    yield reply.chunk(index, channel, text, held[index])
+                    held[index] = []
+                if isinstance(item, Finished):
+                    ends[index] = item
+                    if parts[index].calls:
+                        yield reply.calls_chunk(index, parts[index].calls)
+                    yield reply.last_chunk(index, item.finish_reason, parts[index].calls)
+            if include_usage:
+                yield reply.usage_chunk(usage_of(prompt_tokens, list(ends.values())))
+            yield DONE
         finally:
-            if not ended:  # the client went away (the response was cancelled)
-                worker.cancel(job)
-
-    async def whole(job: Job, reply: Reply, parts: AnswerParts, http: HTTPRequest) -> JSONResponse:
-        pieces, logprobs = [], []
-        while True:
-            try:
-                item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
+            for task in forwarding:
+                task.cancel()
+            for index, job in enumerate(jobs):
+                if index not in ends:  # the client went away (the response was cancelled), or one answer failed
                     worker.cancel(job)
-                    return JSONResponse(error_body("the client went away"), status_code=499)
-                continue
-            if isinstance(item, Piece):
-                pieces += parts.push(item.text)
-                logprobs += item.logprobs
-            elif isinstance(item, Failed):
-                status = 400 if worker.state == "ready" else 500
-                return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
-            else:
-                pieces += parts.finish()
-                answer_usage = usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
-                return JSONResponse(reply.whole(pieces, parts.calls, item.finish_reason, answer_usage, logprobs))
+
+    async def whole(jobs: list[Job], reply: Reply, parts: list[AnswerParts], prompt_tokens: int, http: HTTPRequest) -> JSONResponse:
+        choices, ends = [], []
+        for index, job in enumerate(jobs):
+            pieces, logprobs = [], []
+            while True:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        for job in jobs:
+                            worker.cancel(job)
+                        return JSONResponse(error_body("the client went away"), status_code=499)
+                    continue
+                if isinstance(item, Piece):
+                    pieces += parts[index].push(item.text)
+                    logprobs += item.logprobs
+                    continue
+                if isinstance(item, Failed):
+                    for job in jobs:
+                        worker.cancel(job)
+                    status = 400 if worker.state == "ready" else 500
+                    return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
+                pieces += parts[index].finish()
+                choices.append(reply.choice(index, pieces, parts[index].calls, item.finish_reason, logprobs))
+                ends.append(item)
+                break
+        return JSONResponse(reply.whole(choices, usage_of(prompt_tokens, ends)))
 
     return app

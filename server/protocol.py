@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.logit_rules import MOST_TOP_LOGPROBS, LogitRules, TokenLogprobs
+
+MOST_CHOICES = 16  # n
 from server.answer_parts import ToolCall
 from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 
@@ -124,7 +126,7 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[int, float] | None = None  # token id (a JSON key, so a string) -> added to its logit
     seed: int | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MOST_CHOICES)  # answers to the prompt, sampled apart (its blocks shared)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -211,6 +213,12 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def usage_of(prompt_tokens: int, ends: list) -> dict:
+    """The request's usage, from each answer's end (server.worker.Finished): its prompt counted once,
+    and the most of it any answer found cached (the others share those blocks)."""
+    return usage(prompt_tokens, sum(end.completion_tokens for end in ends), max(end.cached_tokens for end in ends))
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
@@ -226,7 +234,7 @@ class Reply:
         self.chat, self.model, self.token_text = chat, model, token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.sent = 0  # characters of the answer streamed so far (the completions' text_offset)
+        self.sent: dict[int, int] = {}  # characters of each answer streamed so far (the completions' text_offset)
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -236,43 +244,44 @@ class Reply:
             return None
         return chat_logprobs(read, self.token_text) if self.chat else completion_logprobs(read, self.token_text, offset)
 
-    def whole(self, parts: list[tuple[str, str]], calls: list[ToolCall], finish_reason: str, usage: dict, read: list[TokenLogprobs]) -> dict:
-        """parts: the answer's ("reasoning" | "content", text) in order."""
+    def choice(self, index: int, parts: list[tuple[str, str]], calls: list[ToolCall], finish_reason: str, read: list[TokenLogprobs]) -> dict:
+        """One whole answer; parts: its ("reasoning" | "content", text) in order."""
         content = "".join(text for channel, text in parts if channel == "content")
         if not self.chat:
-            choice = {"index": 0, "text": content, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
-            return {**self._head("text_completion"), "choices": [choice], "usage": usage}
+            return {"index": index, "text": content, "logprobs": self._logprobs(read, 0), "finish_reason": finish_reason}
         message = {"role": "assistant", "content": content if content or not calls else None}
         reasoning = "".join(text for channel, text in parts if channel == "reasoning")
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.as_api() for call in calls]
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(read, 0), "finish_reason": "tool_calls" if calls else finish_reason}
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage}
+        return {"index": index, "message": message, "logprobs": self._logprobs(read, 0), "finish_reason": "tool_calls" if calls else finish_reason}
 
-    def chunk(self, channel: str, text: str, read: list[TokenLogprobs] = ()) -> str:
-        """One server-sent event: a piece of the answer ("content" or "reasoning"), and the
-        log-probabilities of the tokens since the last event."""
-        logprobs = self._logprobs(list(read), self.sent) if read else None
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices, "usage": usage}
+
+    def chunk(self, index: int, channel: str, text: str, read: list[TokenLogprobs] = ()) -> str:
+        """One server-sent event: a piece of answer `index` ("content" or "reasoning"), and the
+        log-probabilities of its tokens since its last event."""
+        logprobs = self._logprobs(list(read), self.sent.get(index, 0)) if read else None
         if not self.chat:
-            self.sent += len(text)
-            return self._event({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
+            self.sent[index] = self.sent.get(index, 0) + len(text)
+            return self._event({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
         delta = {"reasoning_content" if channel == "reasoning" else "content": text}
-        return self._event({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+        return self._event({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
 
-    def first_chunk(self) -> str:
+    def first_chunk(self, index: int) -> str:
         if not self.chat:
-            return self._event({"index": 0, "text": "", "logprobs": None, "finish_reason": None})
-        return self._event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            return self._event({"index": index, "text": "", "logprobs": None, "finish_reason": None})
+        return self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
 
-    def calls_chunk(self, calls: list[ToolCall]) -> str:
-        return self._event({"index": 0, "delta": {"tool_calls": [call.as_api(i) for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None})
+    def calls_chunk(self, index: int, calls: list[ToolCall]) -> str:
+        return self._event({"index": index, "delta": {"tool_calls": [call.as_api(i) for i, call in enumerate(calls)]}, "logprobs": None, "finish_reason": None})
 
-    def last_chunk(self, finish_reason: str, calls: list[ToolCall]) -> str:
+    def last_chunk(self, index: int, finish_reason: str, calls: list[ToolCall]) -> str:
         if not self.chat:
-            return self._event({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason})
-        return self._event({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if calls else finish_reason})
+            return self._event({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
+        return self._event({"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if calls else finish_reason})
 
     def usage_chunk(self, usage: dict) -> str:
         return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": usage})

@@ -208,6 +208,25 @@ def test_a_common_system_prompt_is_prefilled_once_and_answers_do_not_change(serv
     assert hits == sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
 
 
+def test_n_answers_are_each_the_answer_of_its_own_seed_and_share_the_prompt(server, chat_checkpoint):
+    client = server.client()
+    messages = [{"role": "user", "content": "Tell me a story about a fox and a dog, in three short lines."}]
+    sampled = {"model": chat_checkpoint.name, "messages": messages, "max_tokens": 8, "temperature": 0.9, "top_p": 0.95}
+    three = client.chat.completions.create(**sampled, n=3, seed=40)
+    alone = [client.chat.completions.create(**sampled, seed=40 + i) for i in range(3)]
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.message.content for c in three.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in three.choices}) > 1  # the seeds differ
+    assert three.usage.prompt_tokens == alone[0].usage.prompt_tokens and three.usage.completion_tokens == 24
+    assert three.usage.prompt_tokens_details.cached_tokens >= 16  # the prompt's full block, prefilled once
+
+    chunks = list(client.chat.completions.create(**sampled, n=3, seed=40, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == [c.message.content for c in three.choices]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"] * 3
+    assert chunks[-1].usage.completion_tokens == 24
+
+
 def raw_get(port: int, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, str]:
     """Status, headers and body text of one request."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -309,7 +328,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 400}, "cache slots"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, "maximum of 512 positions; shorten the prompt or lower max_tokens"),
