@@ -36,6 +36,7 @@ from errors import UserError, run_command
 from server.app import Served, build_app
 from server.logprobs import TokenText
 from server.metrics import Metrics
+from server.structured import JsonGrammars
 from server.worker import Worker
 from weights.generation_config import sampling_defaults
 from weights.forms import load_model
@@ -139,7 +140,10 @@ def run(args: argparse.Namespace) -> None:
 
     metrics = Metrics(Path(checkpoint).name)
     worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving, metrics=metrics)
-    served = Served(Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"), args.chat_template_kwargs)
+    served = Served(
+        Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"), args.chat_template_kwargs,
+        JsonGrammars(Path(checkpoint) / "tokenizer.json", model_config.vocab_size, tokenizer.eos_ids),
+    )
     app = build_app(served, worker, metrics, args.api_key or None, args.allowed_origins)
     # No limit on the graceful shutdown: SIGTERM lets every running request finish.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))

@@ -10,9 +10,14 @@ Log-probabilities are the model's own distribution, log_softmax of the raw logit
 bias, the penalties, temperature and the filters (what llama.cpp's and vLLM's servers return by
 default). The step computes them for every row while one row asks (a fixed shape), and the host
 reads them only then.
+
+A token mask (a grammar: structured output, server/structured.py) says which tokens may come
+next. The host fills its bits before each prefill or step and hands it the token that came after;
+the blocked tokens' logits become -inf before everything else, so no setting can sample them.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,6 +42,14 @@ class LogitRules:
         return bool(self.presence_penalty or self.frequency_penalty)
 
 
+class TokenMask(Protocol):
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Bits of the tokens that may come next into bitmask[row] ([B, ceil(V / 32)] int32, host)."""
+
+    def accept(self, token: int) -> None:
+        """The token that came."""
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """One sampled token's log-probability, and the likeliest tokens' (best first)."""
@@ -58,6 +71,9 @@ class RowLogits:
         self.frequency = torch.zeros(batch, device=device)  # [B]
         self.chosen = torch.zeros(batch, dtype=torch.float64, device=device)  # [B] the sampled token's logprob
         self.top = torch.zeros(batch, MOST_TOP_LOGPROBS, 2, dtype=torch.float64, device=device)  # [B, K, (logprob, id)]
+        self.masks: list[TokenMask | None] = [None] * batch
+        self.bitmask = torch.zeros(batch, -(-vocab_size // 32), dtype=torch.int32)  # [B, W] host, bit t of word t // 32: token t allowed
+        self.bits = torch.arange(32, dtype=torch.int32, device=device)  # [32]
 
     def check(self, rules: LogitRules) -> None:
         vocab_size = self.bias.shape[1]
@@ -65,10 +81,10 @@ class RowLogits:
             if not 0 <= token < vocab_size:
                 raise UserError(f"logit_bias: token id {token} is not in the vocabulary (0..{vocab_size - 1})")
 
-    def set_row(self, row: int, rules: LogitRules) -> None:
-        """Between steps, as a request joins the row: its rules, its counts back to zero."""
+    def set_row(self, row: int, rules: LogitRules, mask: TokenMask | None = None) -> None:
+        """Between steps, as a request joins the row: its rules and mask, its counts back to zero."""
         self.check(rules)
-        self.rules[row] = rules
+        self.rules[row], self.masks[row] = rules, mask
         self.counts[row] = 0
         self.bias[row] = 0
         for token, bias in rules.logit_bias:
@@ -79,12 +95,29 @@ class RowLogits:
     def adjust(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         """The logits [B, V] of these rows as the sampler must see them."""
         rules = self.rules[rows]
+        masked = [row for row, mask in enumerate(self.masks[rows], rows.start or 0) if mask is not None]
+        if masked:
+            logits = logits.masked_fill(self._blocked(masked, rows, logits.shape[-1]), float("-inf"))
         if any(r.logit_bias for r in rules):
             logits = logits.float() + self.bias[rows]
         if any(r.penalises for r in rules):
             counts = self.counts[rows]
             logits = logits.float() - self.frequency[rows, None] * counts - self.presence[rows, None] * (counts > 0)
         return logits
+
+    def _blocked(self, masked: list[int], rows: slice, vocab_size: int) -> torch.Tensor:
+        """[B, V] True for the tokens the masked rows' grammars forbid now."""
+        for row in masked:
+            self.masks[row].fill(self.bitmask, row)
+        words = self.bitmask[rows].to(self.bits.device)  # [B, W]
+        allowed = (words[:, :, None] >> self.bits & 1).flatten(1)[:, :vocab_size].bool()  # [B, V]
+        has_mask = torch.tensor([mask is not None for mask in self.masks[rows]], device=self.bits.device)
+        return ~allowed & has_mask[:, None]
+
+    def accept(self, row: int, token: int) -> None:
+        """Between steps: the row's new token, for its mask."""
+        if self.masks[row] is not None:
+            self.masks[row].accept(token)
 
     def record(self, logits: torch.Tensor, tokens: torch.Tensor, rows: slice) -> None:
         """After sampling: count the tokens [B], and keep their log-probabilities from the raw logits [B, V]."""

@@ -22,7 +22,7 @@ import torch
 
 from compression.config import CompressionConfig
 from engine.generation import OnTokens, Session, check_lengths
-from engine.logit_rules import LogitRules, RowLogits, TokenLogprobs
+from engine.logit_rules import LogitRules, RowLogits, TokenLogprobs, TokenMask
 from engine.options import RunOptions, new_cache, new_policy, new_runner
 from engine.sampling import RowSampling, SamplingConfig
 from errors import UserError
@@ -64,14 +64,16 @@ class ContinuousSession(Session):
     def running(self) -> list[bool]:
         return list(self.joined)
 
-    def admit(self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules()) -> tuple[int, bool, int]:
+    def admit(
+        self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules(), mask: TokenMask | None = None
+    ) -> tuple[int, bool, int]:
         """Between steps: prefill a prompt into an idle row, sampled with its own settings from now
-        on (None: the row's so far) and its rules for the logits; returns its first token, whether
-        that ends it (EOS), and how many prompt tokens a prefix cache held (not prefilled)."""
+        on (None: the row's so far), its rules for the logits and its token mask; returns its first
+        token, whether that ends it (EOS), and how many prompt tokens a prefix cache held (not prefilled)."""
         assert not self.joined[row], "admit needs an idle row"
         if sampling is not None:
             self.state.sampling.set_row(row, sampling, seed)
-        self.set_rules(row, rules)
+        self.set_rules(row, rules, mask)
         self.state.seen[row] = False  # an idle row's steps marked the tokens it fed
         cached = self.cache.share_prefix(row, prompt)
         self.state.seen[row, torch.tensor(prompt[:cached], dtype=torch.int64, device=self.model.device)] = True
@@ -90,16 +92,21 @@ class ContinuousSession(Session):
         first = self._sampled()
         return first.tokens[row], first.finished[row], cached
 
-    def check_rules(self, rules: LogitRules) -> None:
+    def check_rules(self, rules: LogitRules, mask: TokenMask | None = None) -> None:
         if self.state.logits_hook is not None:
             self.state.logits_hook.check(rules)
-        elif rules != LogitRules():
-            raise UserError("penalties, a logit bias and log-probabilities do not run under a CUDA graph; drop --cuda-graph")
+        elif rules != LogitRules() or mask is not None:
+            raise UserError("penalties, a logit bias, log-probabilities and token masks do not run under a CUDA graph; drop --cuda-graph")
 
-    def set_rules(self, row: int, rules: LogitRules) -> None:
-        self.check_rules(rules)
+    def set_rules(self, row: int, rules: LogitRules, mask: TokenMask | None = None) -> None:
+        self.check_rules(rules, mask)
         if self.state.logits_hook is not None:
-            self.state.logits_hook.set_row(row, rules)
+            self.state.logits_hook.set_row(row, rules, mask)
+
+    def accept(self, row: int, token: int) -> None:
+        """Between steps: the row's new token, for its token mask."""
+        if self.state.logits_hook is not None:
+            self.state.logits_hook.accept(row, token)
 
     def logprobs(self, rows: list[int], tokens: list[int]) -> list[TokenLogprobs]:
         """The log-probabilities the last prefill or step recorded for these rows' tokens."""
@@ -132,6 +139,7 @@ class Request:
     sampling: SamplingConfig | None = None  # None: the session's
     seed: int = 0  # its draws, in a session whose rows draw from their own seeds
     rules: LogitRules = LogitRules()  # penalties, bias, log-probabilities (engine/logit_rules.py)
+    mask: TokenMask | None = None  # the tokens that may come next (a grammar), or None: any
 
 
 @dataclass
@@ -221,7 +229,7 @@ class ContinuousBatch:
         """A UserError if the request can never run here: too long for the model, a row, or the whole pool."""
         cache = self.session.cache
         check_lengths(self.session.model, [request.prompt], request.max_new_tokens)
-        self.session.check_rules(request.rules)
+        self.session.check_rules(request.rules, request.mask)
         slots = self.compression.slots_needed(len(request.prompt), request.max_new_tokens)
         if slots > cache.n_slots:
             raise UserError(
@@ -287,7 +295,7 @@ class ContinuousBatch:
         request = self.requests[key]
         self.rows[row] = key
         self.produced[key] = []
-        token, ended, self.cached_tokens[key] = self.session.admit(row, request.prompt, request.sampling, request.seed, request.rules)
+        token, ended, self.cached_tokens[key] = self.session.admit(row, request.prompt, request.sampling, request.seed, request.rules, request.mask)
         self._take(row, token, ended, news)
 
     def _take(self, row: int, token: int, ended: bool, news: dict[Hashable, int | None]) -> None:
@@ -298,6 +306,7 @@ class ContinuousBatch:
             self._leave(row)
         else:
             self.produced[key].append(token)
+            self.session.accept(row, token)
             news[key] = token
 
     def _deliver(self, news: dict[Hashable, int | None]) -> None:

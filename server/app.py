@@ -25,6 +25,7 @@ from engine.scheduler import Request
 from errors import UserError
 from server.logprobs import TokenText
 from server.metrics import Metrics
+from server.structured import JsonGrammars
 from engine.logit_rules import TokenLogprobs
 from server.answer_parts import THINK_OPEN, AnswerParts, tool_format
 from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event, usage_of
@@ -45,6 +46,7 @@ class Served:
     vocab_size: int  # the model's: token ids of a prompt are below it
     token_text: TokenText  # how log-probabilities show tokens
     template_kwargs: dict  # the chat template's extra variables unless a request says otherwise (--chat-template-kwargs)
+    grammars: JsonGrammars  # response_format's token masks
 
 
 class Refused(Exception):
@@ -166,7 +168,9 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             if room < 1:
                 raise UserError(f"the prompt has {len(prompt)} tokens, which leaves no room for an answer; shorten it")
             seed = secrets.randbits(31) if body.seed is None else body.seed + index
-            request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules())
+            form = body.response_format
+            mask = None if form is None else served.grammars.mask(form.type, form.json_schema and form.json_schema.json_schema)
+            request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules(), mask)
             worker.check(request)
             job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
             worker.submit(job)

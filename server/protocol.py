@@ -1,7 +1,7 @@
 """The OpenAI API's shapes: the requests serve.py accepts (pydantic checks their types and
 ranges), the answers and stream chunks it sends, and its error bodies.
 
-A field of the API that the engine does not implement (tools, response_format, echo, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
+A field of the API that the engine does not implement (echo, best_of, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
 false, 0, empty, the default), as the OpenAI clients send it; `n` other than 1 is refused too.
 Fields the API does not define are ignored.
 """
@@ -94,6 +94,26 @@ class NamedToolChoice(BaseModel):
     function: dict[str, str]
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None  # enforced either way: the mask admits no other answer
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def schema_with_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "response_format: json_schema is given with type json_schema, and only then")
+        return self
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -103,7 +123,6 @@ NOT_IMPLEMENTED = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
 }
@@ -126,6 +145,7 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[int, float] | None = None  # token id (a JSON key, so a string) -> added to its logit
     seed: int | None = None
+    response_format: ResponseFormat | None = None
     n: int = Field(1, ge=1, le=MOST_CHOICES)  # answers to the prompt, sampled apart (its blocks shared)
     stream: bool = False
     stream_options: StreamOptions | None = None

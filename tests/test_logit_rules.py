@@ -116,3 +116,30 @@ def test_a_bias_on_a_token_outside_the_vocabulary_is_one_clear_error(models):
 def test_more_top_logprobs_than_the_api_allows_is_one_clear_error():
     with pytest.raises(UserError, match="top_logprobs must be in 0..20"):
         LogitRules(top_logprobs=21)
+
+
+class OnlyThese:
+    """A hand-written token mask: these tokens and no others, whatever came before."""
+
+    def __init__(self, allowed: set[int]):
+        self.allowed, self.seen = allowed, []
+
+    def fill(self, bitmask, row):
+        bitmask[row] = 0
+        for token in self.allowed:
+            bitmask[row, token // 32] |= 1 << (token % 32)
+
+    def accept(self, token):
+        self.seen.append(token)
+
+
+def test_a_token_mask_allows_only_its_tokens_and_hears_each_one(models):
+    model, reference = models
+    mask = OnlyThese({7, 40, 261})
+    sampled = Request([5, 6, 7], 12, SamplingConfig(temperature=1.5), seed=2, rules=LogitRules(top_logprobs=0), mask=mask)
+    answers, logprobs = run_batch(model, [Request([9, 9], 6), sampled])
+    assert set(answers[1]) <= {7, 40, 261} and len(set(answers[1])) > 1 and mask.seen == answers[1]
+    raw = reference_logits(reference, [5, 6, 7], answers[1]).log_softmax(-1)
+    assert [r.logprob for r in logprobs[1]] == pytest.approx([raw[t, tok].item() for t, tok in enumerate(answers[1])], abs=1e-4)  # still the model's own
+    greedy = reference_logits(reference, [9, 9], answers[0]).argmax(-1).tolist()
+    assert answers[0] == greedy  # the row beside it is unmasked

@@ -227,6 +227,30 @@ def test_n_answers_are_each_the_answer_of_its_own_seed_and_share_the_prompt(serv
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_response_format_holds_the_answer_to_the_schema(server, chat_checkpoint):
+    client = server.client()
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["ok", "color", "count"],
+        "additionalProperties": False,
+    }
+    form = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for temperature in (0, 1.0):
+        for prompt in ("Once upon a time", "Give me JSON"):
+            answer = client.completions.create(model=chat_checkpoint.name, prompt=prompt, max_tokens=60, temperature=temperature, seed=3, extra_body={"response_format": form})
+            value = json.loads(answer.choices[0].text)
+            assert answer.choices[0].finish_reason == "stop"  # the grammar allows EOS alone once the object is complete
+            assert set(value) == {"ok", "color", "count"} and isinstance(value["ok"], bool) and value["color"] in ("red", "green") and 1 <= value["count"] <= 9
+    chat = client.chat.completions.create(
+        model=chat_checkpoint.name, messages=[{"role": "user", "content": "hi"}], max_tokens=60, temperature=0, response_format=form, n=2, seed=1
+    )
+    assert all(set(json.loads(c.message.content)) == {"ok", "color", "count"} for c in chat.choices)
+    free = client.chat.completions.create(model=chat_checkpoint.name, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.choices[0].message.content)  # the tiny model writes no JSON of its own
+
+
 def raw_get(port: int, path: str, headers: dict | None = None, method: str = "GET") -> tuple[int, dict, str]:
     """Status, headers and body text of one request."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -345,7 +369,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias: token id 999999 is not in the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"the": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format is not implemented"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "json_schema is given with type json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "uniqueItems": True}}}}, "uniqueItems"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template never shows tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice 'required'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "a tool message needs content"),

@@ -155,9 +155,11 @@ def scripted_client(folder, script: str):
     from server.app import Served, build_app
     from server.logprobs import TokenText
     from server.metrics import Metrics
+    from server.structured import JsonGrammars
     from weights.tokenizer import Tokenizer
 
-    served = Served("tiny", Tokenizer.from_dir(folder), None, 500, TokenText(folder / "tokenizer.json"), {})
+    tokenizer = Tokenizer.from_dir(folder)
+    served = Served("tiny", tokenizer, None, 500, TokenText(folder / "tokenizer.json"), {}, JsonGrammars(folder / "tokenizer.json", 500, tokenizer.eos_ids))
     app = build_app(served, ScriptedWorker(script), Metrics("tiny"))
     import openai
 
