@@ -35,12 +35,18 @@ class JsonGrammars:
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: frozenset[int]):
         eos = min(eos_ids) if eos_ids else None  # the token the mask allows once the JSON is complete
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer, self.unusable = None, None
+        try:  # a tokenizer it cannot read costs the server response_format, not every request
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size, eos_token=eos)
+        except Exception as e:  # its Rust side raises a bare error
+            self.unusable = f"response_format is not available for this checkpoint: llguidance cannot read its tokenizer.json ({e})"
 
     def mask(self, kind: str, schema: dict | None) -> JsonMask | None:
         """kind: response_format's type; schema: json_schema's. None for plain text."""
         if kind == "text":
             return None
+        if self.tokenizer is None:
+            raise UserError(self.unusable)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"} if kind == "json_object" else schema, defaults={"whitespace_flexible": False})
         except Exception as e:  # its parser raises a bare error naming what it could not read

@@ -189,3 +189,14 @@ def test_calls_and_reasoning_reach_the_openai_client_whole_and_streamed(tool_ser
     # Without tools offered, the same text is content: nothing is parsed out of it, nothing lost.
     plain = client.chat.completions.create(model="tiny", messages=messages).choices[0]
     assert plain.finish_reason == "stop" and plain.message.tool_calls is None and "<tool_call>" in plain.message.content
+
+
+def test_a_tokenizer_llguidance_cannot_read_costs_response_format_alone(tmp_path):
+    from errors import UserError
+    from server.structured import JsonGrammars
+
+    (tmp_path / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    grammars = JsonGrammars(tmp_path / "tokenizer.json", 500, frozenset({2}))
+    assert grammars.mask("text", None) is None
+    with pytest.raises(UserError, match="response_format is not available for this checkpoint"):
+        grammars.mask("json_object", None)
