@@ -205,7 +205,7 @@ def bad_request(k: int) -> bytes:
         json.dumps({"prompt": "hi", "max_tokens": 10**7}).encode(),  # beyond the model's positions
         json.dumps({"prompt": [1] * 200_000, "max_tokens": 8}).encode(),  # a prompt longer than any row
         json.dumps({"prompt": "hi", "temperature": "hot"}).encode(),
-        json.dumps({"prompt": "hi", "n": 3}).encode(),
+        json.dumps({"prompt": "hi", "n": 1000}).encode(),  # more answers than a request may ask
         json.dumps({"messages": []}).encode(),
     ]
     return kinds[k % len(kinds)]

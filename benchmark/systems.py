@@ -6,9 +6,9 @@ does one warm-up run and returns a Loaded whose measure() times one trial.
   steps / its decode time, which excludes all of that.
 - transformers: AutoModelForCausalLM.generate, greedy, with its default dynamic cache;
 - transformers_static: the same with cache_implementation="static".
-  generate reports no split of its time, so TTFT is the time of a generate with
-  max_new_tokens=1, and decode tok/s = (N - 1) * batch / (t_N - t_1), where t_N is a generate
-  with max_new_tokens=N.
+  generate reports no split of its time, so a streamer notes when its first new tokens arrive:
+  TTFT is the time from the call to then, decode tok/s = (N - 1) * batch / the time after it,
+  from the same run.
 - llama.cpp: llama-cpp-python on a GGUF file, batch 1, as many threads as torch uses. Its own
   eval, one token at a time, greedy by argmax of the logits (no sampler chain): TTFT is the
   prompt's eval and the first argmax, decode tok/s the N - 1 evals that follow.
@@ -99,6 +99,24 @@ def load_engine(w: Workload, pages: PageConfig | None = None) -> Loaded:
     return Loaded(measure, extras)
 
 
+class FirstTokenClock:
+    """A streamer for transformers' generate that notes when the first new tokens arrive: its
+    first put is the prompt, its second the first generated tokens. One run then gives both the
+    time to first token and the decode rate after it."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at = 0.0
+
+    def put(self, _: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def load_transformers(w: Workload, static: bool) -> Loaded:
     import transformers  # only the transformers processes pay for importing it
 
@@ -111,18 +129,15 @@ def load_transformers(w: Workload, static: bool) -> Loaded:
     if static:
         options["cache_implementation"] = "static"
 
-    def timed_generate(n: int) -> tuple[float, Any]:
+    def measure() -> Trial:
+        clock = FirstTokenClock()
         synchronize(w.device)
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **options)
+        out = model.generate(ids, max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, streamer=clock, **options)
         synchronize(w.device)
-        return time.perf_counter() - start, out
-
-    def measure() -> Trial:
-        t_1, _ = timed_generate(1)
-        t_n, out = timed_generate(w.new_tokens)
+        end = time.perf_counter()
         kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.cache.layers)
-        return Trial(t_1, (w.new_tokens - 1) * w.batch / (t_n - t_1), kv_bytes)
+        return Trial(clock.first_token_at - start, (w.new_tokens - 1) * w.batch / (end - clock.first_token_at), kv_bytes)
 
     progress(f"{name}: warm-up run")
     measure()
