@@ -26,9 +26,9 @@ from errors import UserError
 from server.logprobs import TokenText
 from server.metrics import Metrics
 from server.structured import JsonGrammars
-from engine.logit_rules import TokenLogprobs
+from engine.logit_rules import TokenLogprobs, TokenMask
 from server.answer_parts import THINK_OPEN, AnswerParts, tool_format
-from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, error_body, event, usage_of
+from server.protocol import DONE, ChatRequest, CompletionRequest, Reply, ResponseFormat, error_body, event, usage_of
 from server.worker import Busy, Failed, Finished, Job, NotReady, Piece, Worker
 from weights.tokenizer import Tokenizer
 
@@ -123,11 +123,24 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
         thinking, calls_format = text.rstrip().endswith(THINK_OPEN), calls_format if tools else None
         prompt = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         reply = Reply(True, served.name, served.token_text if body.logprobs else None)
-        return await answer(body, prompt, reply, http, lambda: AnswerParts(thinking, calls_format))
+        forced, only = body.forced_calls()
+
+        def new_mask() -> TokenMask | None:
+            if forced:
+                return served.grammars.tool_calls(tools, only, calls_format, thinking)
+            return response_format_mask(body.response_format, thinking)
+
+        return await answer(body, prompt, reply, http, new_mask, lambda: AnswerParts(thinking, calls_format))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await answer(body, completion_prompt(body.prompt), Reply(False, served.name, None if body.logprobs is None else served.token_text), http)
+        reply = Reply(False, served.name, None if body.logprobs is None else served.token_text)
+        return await answer(body, completion_prompt(body.prompt), reply, http, lambda: response_format_mask(body.response_format, False))
+
+    def response_format_mask(form: ResponseFormat | None, thinking: bool) -> TokenMask | None:
+        if form is None:
+            return None
+        return served.grammars.mask(form.type, form.json_schema and form.json_schema.json_schema, thinking)
 
     def completion_prompt(prompt: str | list[str] | list[int]) -> list[int]:
         """The prompt's token ids: a text encoded, or ids as given."""
@@ -141,12 +154,20 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             raise Refused(400, f"prompt: one prompt per request, got a list of {len(prompt)}", param="prompt")
         return served.tokenizer.encode(prompt[0])
 
-    async def answer(body: ChatRequest | CompletionRequest, prompt: list[int], reply: Reply, http: HTTPRequest, new_parts: Callable[[], AnswerParts] = lambda: AnswerParts(False, None, split_reasoning=False)):
-        """new_parts: how a chat answer splits into reasoning, content and tool calls (default: all content)."""
+    async def answer(
+        body: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        reply: Reply,
+        http: HTTPRequest,
+        new_mask: Callable[[], TokenMask | None],
+        new_parts: Callable[[], AnswerParts] = lambda: AnswerParts(False, None, split_reasoning=False),
+    ):
+        """new_mask: each answer's grammar, if any; new_parts: how a chat answer splits into
+        reasoning, content and tool calls (default: all content)."""
         jobs: list[Job] = []
         try:
             for index in range(body.n):  # the first one's prefill makes the prompt's blocks findable for the others
-                jobs.append(submit(body, prompt, index))
+                jobs.append(submit(body, prompt, index, new_mask))
         except Refused:
             for job in jobs:
                 worker.cancel(job)
@@ -156,7 +177,7 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             return StreamingResponse(stream(jobs, reply, parts, len(prompt), body.include_usage), media_type="text/event-stream")
         return await whole(jobs, reply, parts, len(prompt), http)
 
-    def submit(body: ChatRequest | CompletionRequest, prompt: list[int], index: int) -> Job:
+    def submit(body: ChatRequest | CompletionRequest, prompt: list[int], index: int, new_mask: Callable[[], TokenMask | None]) -> Job:
         if body.model is not None and body.model != served.name:
             raise Refused(404, f"model '{body.model}' is not served here; this server serves '{served.name}'", "not_found_error", "model", "model_not_found")
         if not prompt:
@@ -168,9 +189,7 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             if room < 1:
                 raise UserError(f"the prompt has {len(prompt)} tokens, which leaves no room for an answer; shorten it")
             seed = secrets.randbits(31) if body.seed is None else body.seed + index
-            form = body.response_format
-            mask = None if form is None else served.grammars.mask(form.type, form.json_schema and form.json_schema.json_schema)
-            request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules(), mask)
+            request = Request(prompt, room if limit is None else limit, sampling, seed, body.rules(), new_mask())
             worker.check(request)
             job = Job(request, AnswerText(served.tokenizer, body.stops()), asyncio.get_running_loop())
             worker.submit(job)

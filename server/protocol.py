@@ -93,6 +93,12 @@ class NamedToolChoice(BaseModel):
     type: Literal["function"]
     function: dict[str, str]
 
+    @model_validator(mode="after")
+    def names_a_function(self) -> "NamedToolChoice":
+        if "name" not in self.function:
+            raise PydanticCustomError("tool_choice", "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return self
+
 
 class JsonSchema(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
@@ -201,9 +207,22 @@ class ChatRequest(Sampling):
     def top_logprobs_need_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("needs_logprobs", "top_logprobs needs logprobs: true")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise PydanticCustomError("not_implemented", "tool_choice 'required' or a named function needs constrained decoding, which this server does not implement; send 'auto' or 'none'")
+        if self.tool_choice in ("none", "auto", None):
+            return self
+        names = [tool.function.name for tool in self.tools or []]
+        if not names:
+            raise PydanticCustomError("tool_choice", "tool_choice 'required' or a named function needs tools; send them, or tool_choice 'auto'")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function["name"] not in names:
+            raise PydanticCustomError("tool_choice", f"tool_choice names function '{self.tool_choice.function['name']}', which is not among the tools ({', '.join(names)})")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("tool_choice", "tool_choice 'required' or a named function and response_format both shape the answer; send one of them")
         return self
+
+    def forced_calls(self) -> tuple[bool, str | None]:
+        """Whether the answer must be tool calls, and the one function it must call (None: any, one or more)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function["name"]
+        return self.tool_choice == "required", None
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model is shown: none when tool_choice is 'none'."""
@@ -275,7 +294,7 @@ class Reply:
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.as_api() for call in calls]
-        return {"index": index, "message": message, "logprobs": self._logprobs(read, 0), "finish_reason": "tool_calls" if calls else finish_reason}
+        return {"index": index, "message": message, "logprobs": self._logprobs(read, 0), "finish_reason": "tool_calls" if calls and finish_reason == "stop" else finish_reason}
 
     def whole(self, choices: list[dict], usage: dict) -> dict:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices, "usage": usage}
@@ -301,7 +320,7 @@ class Reply:
     def last_chunk(self, index: int, finish_reason: str, calls: list[ToolCall]) -> str:
         if not self.chat:
             return self._event({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})
-        return self._event({"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if calls else finish_reason})
+        return self._event({"index": index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls" if calls and finish_reason == "stop" else finish_reason})
 
     def usage_chunk(self, usage: dict) -> str:
         return event({**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": usage})

@@ -85,7 +85,9 @@ def tool_server(chat_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tools")
     shutil.copytree(chat_checkpoint, folder, dirs_exist_ok=True)
     write_tiny_tokenizer(folder, TOOL_TEMPLATE)
-    server = Server(folder, "--no-compile", "--context", "512", "--chat-template-kwargs", '{"enable_thinking": false}')
+    config = json.loads((folder / "config.json").read_text())  # room for the tools' system prompt and whole calls
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
+    server = Server(folder, "--no-compile", "--context", "1024", "--chat-template-kwargs", '{"enable_thinking": false}')
     server.wait_ready()
     yield server, folder
     server.stop()
@@ -197,6 +199,92 @@ def test_a_tokenizer_llguidance_cannot_read_costs_response_format_alone(tmp_path
 
     (tmp_path / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
     grammars = JsonGrammars(tmp_path / "tokenizer.json", 500, frozenset({2}))
-    assert grammars.mask("text", None) is None
+    assert grammars.mask("text", None, False) is None
     with pytest.raises(UserError, match="response_format is not available for this checkpoint"):
-        grammars.mask("json_object", None)
+        grammars.mask("json_object", None, False)
+    with pytest.raises(UserError, match="tool_choice is not available for this checkpoint"):
+        grammars.tool_calls(TOOLS, None, "tagged", False)
+
+
+# Tools whose calls a random model finishes within a few tokens: every argument is bounded.
+BOUNDED_TOOLS = [
+    {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["unit", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}},
+]
+
+
+def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
+    server, folder = tool_server
+    client = server.client()
+    messages = [{"role": "user", "content": "What will the weather be?"}]
+    names_seen, ends = set(), []
+    for seed in range(4):
+        for temperature in (0, 1.0):
+            answer = client.chat.completions.create(model=folder.name, messages=messages, tools=BOUNDED_TOOLS, tool_choice="required", max_tokens=300, temperature=temperature, seed=seed)
+            choice = answer.choices[0]
+            ends.append(choice.finish_reason)
+            assert choice.message.tool_calls
+            if choice.finish_reason == "tool_calls":
+                assert choice.message.content in (None, "")
+            else:  # 'required' lets the model call again and again: the unfinished call is kept as text
+                assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>")
+            for call in choice.message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                names_seen.add(call.function.name)
+                if call.function.name == "forecast":
+                    assert arguments["unit"] in ("C", "F") and 1 <= arguments["days"] <= 7 and set(arguments) == {"unit", "days"}
+                else:
+                    assert call.function.name == "clock" and isinstance(arguments["utc"], bool) and set(arguments) == {"utc"}
+    assert names_seen == {"forecast", "clock"} and "tool_calls" in ends  # 'required' lets the model choose among the tools
+    named = {"type": "function", "function": {"name": "clock"}}
+    for stream in (False, True):
+        created = client.chat.completions.create(model=folder.name, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named, max_tokens=80, temperature=1.0, seed=5, stream=stream, n=2)
+        if stream:
+            calls = [call for chunk in created for call in chunk.choices[0].delta.tool_calls or []]
+        else:
+            calls = [call for choice in created.choices for call in choice.message.tool_calls]
+        assert len(calls) == 2 and all(c.function.name == "clock" and set(json.loads(c.function.arguments)) == {"utc"} for c in calls)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": BOUNDED_TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "'weather', which is not among the tools (forecast, clock)"),
+        ({"tools": BOUNDED_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one of them"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}], "tool_choice": "required"}, "uniqueItems"),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_held_is_a_400_naming_why(tool_server, body, message):
+    server, _ = tool_server
+    status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert status == 400 and message in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("think_tokens", [True, False])
+def test_a_grammar_waits_for_the_reasoning_to_close(tmp_path, think_tokens):
+    """A prompt that opens <think>: the reasoning is free text, and the JSON comes after </think>,
+    whether the tokenizer holds </think> as one token or spells it in pieces."""
+    from server.structured import JsonGrammars
+    from weights.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    if not think_tokens:
+        spec = json.loads((tmp_path / "tokenizer.json").read_text())
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if "think" not in t["content"]]
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    grammars = JsonGrammars(tmp_path / "tokenizer.json", 500, tokenizer.eos_ids)
+
+    def consumed(mask, text: str) -> bool:
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        return mask.matcher.try_consume_tokens(tokens) == len(tokens)
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert consumed(grammars.mask("json_schema", schema, True), 'Some plan, {with braces}.</think>\n\n{"a":1}')
+    assert not consumed(grammars.mask("json_schema", schema, True), "Some plan.</think>\n\nno JSON")
+    assert not consumed(grammars.mask("json_schema", schema, False), 'Some plan.</think>{"a":1}')
+    assert consumed(grammars.mask("json_schema", schema, False), '{"a":1}')
+    call = '<tool_call>\n{"name":"clock","arguments":{"utc":true}}\n</tool_call>'
+    assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, "tagged", True), "Which tool?</think>\n" + call + "\n" + call)
+    assert not consumed(grammars.tool_calls(BOUNDED_TOOLS, "forecast", "tagged", False), call)
