@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the decode step at start (default: on CPU; a server runs long enough to repay it)",
     )
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="end a request that has run (or waited) this long with a 504; default: no limit (on a CPU a long prompt can take minutes)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token: every answer runs to its max_tokens (for load tests)")
     p.add_argument("--api-key", default=os.environ.get("BEACON_API_KEY"), help="clients must send 'Authorization: Bearer KEY' (default: $BEACON_API_KEY; /health and /metrics stay open)")
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="let browser pages on these origins call the API (CORS), e.g. http://localhost:3000, or * for any")
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_waiting < 0:
         raise UserError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     compression = compression_config(args)
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
             server.should_exit = True
 
     metrics = Metrics(Path(checkpoint).name)
-    worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving, metrics=metrics)
+    worker = Worker(start_batch, args.max_batch, args.max_waiting, on_failed=stop_serving, metrics=metrics, timeout_s=args.timeout)
     served = Served(
         Path(checkpoint).name, tokenizer, sampling_defaults(checkpoint), model_config.vocab_size, TokenText(Path(checkpoint) / "tokenizer.json"), args.chat_template_kwargs,
         JsonGrammars(Path(checkpoint) / "tokenizer.json", model_config.vocab_size, tokenizer.eos_ids),

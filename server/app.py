@@ -82,6 +82,8 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
         if first["type"] == "json_invalid":
             return JSONResponse(error_body(f"the request body is not valid JSON ({first['ctx']['error']})"), status_code=400)
         where = ".".join(str(part) for part in first["loc"] if part != "body")
+        if first["type"] == "extra_forbidden":
+            return JSONResponse(error_body(f"{where} is not a field this server knows; drop it (docs/serving.md lists the fields)", param=where), status_code=400)
         message = f"{where}: {first['msg']}" if where else f"the request body: {first['msg']}"
         return JSONResponse(error_body(message, param=where or None), status_code=400)
 
@@ -220,7 +222,7 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
             while len(ends) < len(jobs):
                 index, item = await events.get()
                 if isinstance(item, Failed):
-                    yield event(error_body(item.message, "server_error"))
+                    yield event(error_body(item.message, "server_error", code="timeout" if item.status == 504 else None))
                     return
                 answer_parts = parts[index].push(item.text) if isinstance(item, Piece) else parts[index].finish()
                 held[index] += item.logprobs if isinstance(item, Piece) else []
@@ -262,8 +264,8 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
                 if isinstance(item, Failed):
                     for job in jobs:
                         worker.cancel(job)
-                    status = 400 if worker.state == "ready" else 500
-                    return JSONResponse(error_body(item.message, "invalid_request_error" if status == 400 else "server_error"), status_code=status)
+                    kind = "invalid_request_error" if item.status == 400 else "server_error"
+                    return JSONResponse(error_body(item.message, kind, code="timeout" if item.status == 504 else None), status_code=item.status)
                 pieces += parts[index].finish()
                 choices.append(reply.choice(index, pieces, parts[index].calls, item.finish_reason, logprobs))
                 ends.append(item)

@@ -48,21 +48,31 @@ class MessageToolCall(BaseModel):
 
 
 class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # the speaker's name, for templates that show it
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
     reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
+    refusal: str | None = None  # an assistant's earlier refusal: its text, where content is null
+    # What an earlier answer carries when a client sends it back as it came: nothing the template shows.
+    annotations: list[dict] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def content_or_calls(self) -> "Message":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
             raise PydanticCustomError("content", f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+        if self.content is None:
+            return self.refusal or ""
+        if isinstance(self.content, str):
+            return self.content
         return "".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
@@ -72,6 +82,8 @@ class Message(BaseModel):
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
         return message
@@ -131,15 +143,28 @@ NOT_IMPLEMENTED = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "modalities": (None, ["text"]),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
 }
 
 
 class Sampling(BaseModel):
     """What both endpoints take: the length of the answer, how it is sampled, how it comes back."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # a field this server does not know is a 400 naming it, never ignored
 
     model: str | None = None
+    user: str | None = None  # who asks, for the caller's records; the answer does not depend on it
+    metadata: dict[str, str] | None = None  # likewise
+    safety_identifier: str | None = None  # likewise
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prompts by their tokens alone
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)

@@ -46,9 +46,10 @@ class Piece:
 
 @dataclass
 class Failed:
-    """The engine failed while running the job (a bug, not the request's fault)."""
+    """The job could not be answered."""
 
     message: str
+    status: int  # what a whole answer's HTTP status is: 400 (the request cannot run), 500 (the engine failed), 504 (past --timeout)
 
 
 @dataclass
@@ -81,9 +82,19 @@ class Worker:
     """Owns the model's thread and its continuous batch. `start_batch` runs on that thread and
     returns the batch (it loads the model, which can take a while); until it has, requests get 503."""
 
-    def __init__(self, start_batch: Callable[[Callable], ContinuousBatch], max_running: int, max_waiting: int, on_failed: Callable[[], None], metrics: Metrics):
-        """on_failed: called from the model's thread if it fails (to stop the server)."""
+    def __init__(
+        self,
+        start_batch: Callable[[Callable], ContinuousBatch],
+        max_running: int,
+        max_waiting: int,
+        on_failed: Callable[[], None],
+        metrics: Metrics,
+        timeout_s: float | None = None,
+    ):
+        """on_failed: called from the model's thread if it fails (to stop the server); timeout_s: how
+        long a request may run or wait before it is ended (None: no limit)."""
         self.start_batch, self.limit, self.on_failed, self.metrics = start_batch, max_running + max_waiting, on_failed, metrics
+        self.timeout_s = timeout_s
         self.batch: ContinuousBatch | None = None
         self.state = "starting"  # then "ready", or "failed"
         self.error: Exception | None = None
@@ -93,7 +104,7 @@ class Worker:
         self.wake = threading.Event()
         self.stopping = False
         self.keys = itertools.count()
-        self.served = self.cancelled = self.prefix_hits = 0
+        self.served = self.cancelled = self.timed_out = self.prefix_hits = 0
         self.thread = threading.Thread(target=self._run, name="model", daemon=True)
 
     def start(self) -> None:
@@ -148,6 +159,7 @@ class Worker:
             "most_running": 0 if batch is None else batch.most_rows,
             "served": self.served,
             "cancelled": self.cancelled,
+            "timed_out": self.timed_out,
             "prefix_cache_hit_tokens": self.prefix_hits,
         }
 
@@ -171,6 +183,8 @@ class Worker:
         batch = self.batch
         while True:
             self._pick_up()
+            if self.timeout_s is not None:
+                self._expire()
             if not batch.busy():
                 if self.stopping:
                     return
@@ -187,7 +201,7 @@ class Worker:
                 try:
                     self.batch.add(job.key, job.request)
                 except UserError as e:  # checked before submit; the batch says the same
-                    self._end(job, Failed(str(e)))
+                    self._end(job, Failed(str(e), 400))
             elif job.key in self.jobs:
                 self.batch.cancel(job.key)
                 self.batch.cached_tokens.pop(job.key, None)
@@ -196,6 +210,19 @@ class Worker:
                 self.cancelled += 1
                 self.metrics.finished("cancelled")
                 log.info("request %d cancelled after %d tokens: the client went away", job.key, job.completion_tokens)
+
+    def _expire(self) -> None:
+        """End the jobs that have run or waited past the time limit, before the next step."""
+        now = time.perf_counter()
+        with self.lock:
+            late = [job for job in self.jobs.values() if now - job.started > self.timeout_s]
+        for job in late:
+            self.batch.cancel(job.key)
+            self.batch.cached_tokens.pop(job.key, None)
+            self.timed_out += 1
+            self.metrics.finished("timeout")
+            log.info("request %d timed out after %.1f s and %d tokens", job.key, now - job.started, job.completion_tokens)
+            self._end(job, Failed(f"the request ran past the server's time limit of {self.timeout_s:g} s (--timeout) after {job.completion_tokens} tokens; ask for fewer", 504))
 
     def _on_tokens(self, news: dict[int, int | None]) -> list[int]:
         """The batch's news: each job's next piece of text, or its end. Returns the jobs a stop string ended."""
@@ -263,4 +290,4 @@ class Worker:
         with self.lock:
             jobs, self.jobs = list(self.jobs.values()), {}
         for job in jobs:
-            job.send(Failed(message))
+            job.send(Failed(message, 500))
