@@ -6,6 +6,8 @@ Tool calls come in the format the checkpoint's chat template teaches its model:
   blocks, anywhere in the answer;
 - "json": Llama 3's, an answer that is one JSON object `{"name": ..., "parameters": {...}}` (or a
   list of them).
+Either way, an answer that is nothing but a call's JSON, bare or in a ```json fence, is a call too:
+small models often write their call so.
 Text that may begin a tag is held back until it is known not to; a tool call's text is held to the
 end of the answer and parsed whole. Text that fails to parse as a call stays content: nothing the
 model wrote is dropped.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+JSON_FENCE = "```json"
 TAGGED_CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CLOSE) + r"|$)", re.S)
 
 
@@ -54,6 +57,14 @@ def as_call(text: str) -> list[ToolCall] | None:
     return calls or None
 
 
+def unfenced(text: str) -> str:
+    """The text inside a ```json fence that is the whole answer, else the text."""
+    inside = text.strip()
+    if inside.startswith(JSON_FENCE) and inside.endswith("```"):
+        return inside[len(JSON_FENCE) : -3]
+    return inside
+
+
 def held_back(text: str, tag: str) -> int:
     """How many characters at the end of the text may be the start of the tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -81,9 +92,9 @@ class AnswerParts:
                 begun = self.pending.lstrip()
                 if begun.startswith(THINK_OPEN):
                     self.pending, self.state = begun[len(THINK_OPEN) :], "reasoning"
-                elif self.tools == "json" and begun.startswith(("{", "[")):
+                elif self.tools and begun.startswith(("{", "[", JSON_FENCE)):
                     self.state = "json"
-                elif not begun or THINK_OPEN.startswith(begun):
+                elif not begun or THINK_OPEN.startswith(begun) or (self.tools and JSON_FENCE.startswith(begun)):
                     return parts  # too early to say
                 else:
                     self.state = "content"
@@ -119,7 +130,7 @@ class AnswerParts:
         """At the end of the answer: the parts left; the tool calls are in `calls`."""
         text, self.pending = self.pending, ""
         if self.state == "json":
-            self.calls = as_call(text) or []
+            self.calls = as_call(unfenced(text)) or []
             return [] if self.calls else [("content", text)]
         if self.state == "calls":
             leftover = []

@@ -4,8 +4,9 @@ named, as a token mask per row (engine/logit_rules.py's TokenMask), from llguida
 llguidance was chosen by measurement against xgrammar and outlines-core (docs/serving.md): a
 schema compiles in 1-2.4 ms, a mask costs 17-43 us a step, it builds from tokenizer.json alone,
 and a schema feature it cannot enforce is an error, which the request gets as a 400 naming it,
-instead of output that silently ignores the schema. JSON is written without free whitespace
-between tokens, so a model cannot pad an answer with blank lines forever.
+instead of output that silently ignores the schema. JSON is written on one line, as json.dumps
+writes it (", " between items, ": " after keys): the spacing models write most, and no free
+whitespace, so a model cannot pad an answer with blank lines forever.
 
 A forced tool call is the JSON of a call in the format the chat template teaches its model
 (server/answer_parts.py): `<tool_call>` blocks around {"name", "arguments"}, or Llama 3's one
@@ -23,25 +24,36 @@ import torch
 from errors import UserError
 from server.answer_parts import THINK_CLOSE, TOOL_CLOSE, TOOL_OPEN
 
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 class JsonMask:
-    """One request's grammar: the tokens that keep its answer a prefix of valid JSON."""
+    """One request's grammar: the tokens that keep its answer a prefix of what the grammar allows.
+    Once the answer is complete, every end-of-sequence token of the checkpoint may end it (a chat
+    model ends its turn with its own, e.g. Qwen's <|im_end|>, which llguidance's one EOS is not)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int]):
+        self.matcher, self.eos_ids = matcher, eos_ids
+        # (word, bit as an int32) of each end-of-sequence token in a [*, ceil(V / 32)] bitmask
+        self.eos_words = [(token // 32, int(torch.tensor(1 << (token % 32)).to(torch.int32))) for token in sorted(eos_ids)]
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.matcher.is_accepting():
+            for word, bit in self.eos_words:
+                bitmask[row, word] |= bit
 
     def accept(self, token: int) -> None:
-        self.matcher.consume_token(token)
+        if token not in self.eos_ids:  # an end ends the row: nothing follows it to match
+            self.matcher.consume_token(token)
 
 
 class JsonGrammars:
     """Masks for one tokenizer; model vocab_size: the logits' width (a model may pad past its tokenizer)."""
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: frozenset[int]):
-        eos = min(eos_ids) if eos_ids else None  # the token the mask allows once the JSON is complete
+        eos = min(eos_ids) if eos_ids else None  # llguidance's own; JsonMask allows all of them
+        self.eos_ids = eos_ids
         self.tokenizer, self.unreadable = None, ""
         try:  # a tokenizer it cannot read costs the server its masks, not every request
             self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size, eos_token=eos)
@@ -54,7 +66,7 @@ class JsonGrammars:
         if kind == "text":
             return None
         schema = {"type": "object"} if kind == "json_object" else schema
-        options = {"whitespace_flexible": False, **(schema.get("x-guidance") or {})}
+        options = JSON_LAYOUT | (schema.get("x-guidance") or {})
         return self._matcher("%json " + json.dumps({**schema, "x-guidance": options}), thinking, "response_format")
 
     def tool_calls(self, tools: list[dict], only: str | None, calls_format: str, thinking: bool) -> JsonMask:
@@ -66,7 +78,7 @@ class JsonGrammars:
             for f in (tool["function"] for tool in tools)
             if only in (None, f["name"])
         ]
-        call = "%json " + json.dumps({"anyOf": calls, "x-guidance": {"whitespace_flexible": False}})
+        call = "%json " + json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
         if calls_format == "json":
             return self._matcher(call, thinking, "tool_choice")
         tagged = f'{self._literal(TOOL_OPEN)} "\\n" {call} "\\n" {self._literal(TOOL_CLOSE)}'
@@ -92,4 +104,4 @@ class JsonGrammars:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:  # each message's first line names the problem; the rest quotes the grammar
             raise UserError(f"{field}: the schema cannot be enforced: {'; '.join(m.splitlines()[0] for m in messages)}")
-        return JsonMask(llguidance.LLMatcher(self.tokenizer, grammar))
+        return JsonMask(llguidance.LLMatcher(self.tokenizer, grammar), self.eos_ids)

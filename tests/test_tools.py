@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import transformers
 
 from server.answer_parts import AnswerParts, tool_format
@@ -74,6 +75,17 @@ def test_json_calls_as_llama_3_writes_them(every):
     assert parts_of('{"name": "weather", "parameters": {"city": "Oslo"}}', every, tools="json")[1] == [("weather", {"city": "Oslo"})]
     assert parts_of('{"answer": 42}', every, tools="json")[0]["content"] == '{"answer": 42}'
     assert parts_of("It is {warm}.", every, tools="json")[0]["content"] == "It is {warm}."
+
+
+@pytest.mark.parametrize("every", [1, 3, 1000])
+@pytest.mark.parametrize("tools", ["tagged", "json"])
+def test_an_answer_that_is_only_a_call_is_a_call_bare_or_fenced(every, tools):
+    fenced = '```json\n{\n  "name": "weather",\n  "arguments": {"city": "Paris"}\n}\n```'
+    assert parts_of(fenced, every, tools=tools)[:2] == ({"reasoning": "", "content": ""}, [("weather", {"city": "Paris"})])
+    assert parts_of('{"name": "weather", "arguments": {}}', every, tools=tools)[1] == [("weather", {})]
+    for text in ('```json\n{"answer": 42}\n```', "```python\nprint(1)\n```", "``` not json"):  # not calls: content, whole
+        joined, calls, _ = parts_of(text, every, tools=tools)
+        assert calls == [] and joined["content"] == text
 
 
 def test_the_call_format_follows_the_template():
@@ -281,10 +293,34 @@ def test_a_grammar_waits_for_the_reasoning_to_close(tmp_path, think_tokens):
         return mask.matcher.try_consume_tokens(tokens) == len(tokens)
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    assert consumed(grammars.mask("json_schema", schema, True), 'Some plan, {with braces}.</think>\n\n{"a":1}')
+    assert consumed(grammars.mask("json_schema", schema, True), 'Some plan, {with braces}.</think>\n\n{"a": 1}')
     assert not consumed(grammars.mask("json_schema", schema, True), "Some plan.</think>\n\nno JSON")
-    assert not consumed(grammars.mask("json_schema", schema, False), 'Some plan.</think>{"a":1}')
-    assert consumed(grammars.mask("json_schema", schema, False), '{"a":1}')
-    call = '<tool_call>\n{"name":"clock","arguments":{"utc":true}}\n</tool_call>'
+    assert not consumed(grammars.mask("json_schema", schema, False), 'Some plan.</think>{"a": 1}')
+    assert consumed(grammars.mask("json_schema", schema, False), '{"a": 1}') and not consumed(grammars.mask("json_schema", schema, False), '{"a":1}')
+    call = '<tool_call>\n{"name": "clock", "arguments": {"utc": true}}\n</tool_call>'
     assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, "tagged", True), "Which tool?</think>\n" + call + "\n" + call)
     assert not consumed(grammars.tool_calls(BOUNDED_TOOLS, "forecast", "tagged", False), call)
+
+
+def test_a_complete_answer_may_end_with_any_of_the_checkpoints_end_tokens(tmp_path):
+    """A chat model ends its turn with its own end token (Qwen's <|im_end|>), not only with the
+    one llguidance knows: once the JSON is whole, the mask allows every EOS, and only then."""
+    from server.structured import JsonGrammars
+    from weights.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    end_of_text, im_end = tokenizer.encode("<|endoftext|>", add_special_tokens=False)[0], tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
+    mask = JsonGrammars(tmp_path / "tokenizer.json", 500, frozenset({end_of_text, im_end})).mask("json_object", None, False)
+    bitmask = torch.zeros(1, 16, dtype=torch.int32)
+
+    def allowed(token: int) -> bool:
+        mask.fill(bitmask, 0)
+        return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+    for token in tokenizer.encode('{"a": 1', add_special_tokens=False):
+        assert not allowed(end_of_text) and not allowed(im_end)
+        mask.accept(token)
+    mask.accept(tokenizer.encode("}", add_special_tokens=False)[0])
+    assert allowed(end_of_text) and allowed(im_end)
+    mask.accept(im_end)  # the row ends; the grammar is not asked about it
