@@ -142,6 +142,10 @@ def test_imported_tokenizer_matches_its_source(synthetic, tmp_path):
     assert ours.decode(ours.encode("<|im_end|>x<think>").ids, skip_special_tokens=True) == "x<think>"
     # Qwen's NFC step, which transformers' GGUF tokenizer leaves out: decomposed text splits like composed text.
     assert ours.encode("cafe\u0301").tokens == source.encode("café").tokens
+    # llama.cpp's padding placeholders are not tokens, as in the source: no text (nor a grammar's mask) can use them.
+    placeholders = [token for token in gguf_tokenizer(model.config.vocab_size)[0] if token.startswith("[PAD")]
+    assert placeholders and not any(ours.token_to_id(token) is not None for token in placeholders)
+    assert [ours.id_to_token(i) for i in ours.encode("[PAD0]").ids] == source.encode("[PAD0]").tokens
 
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["chat_template"]) == ("<|endoftext|>", "<|im_end|>", CHATML_TEMPLATE)

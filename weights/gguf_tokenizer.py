@@ -14,7 +14,7 @@ from errors import UserError
 from weights.gguf_metadata import Metadata, damaged
 
 # llama.cpp's token types (enum llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_CONTROL, _USER_DEFINED, _UNUSED = 3, 4, 5
 
 # How llama.cpp splits text for each `tokenizer.ggml.pre` (llama-vocab.cpp), spelled as the original
 # model's tokenizer.json spells it. Unknown names are refused: a wrong split gives plausible but wrong ids.
@@ -84,6 +84,10 @@ def tokenizer(meta: Metadata) -> Tokenizer:
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, (token, token_type) in enumerate(zip(tokens, types)):
+        if token_type == _UNUSED:
+            # llama.cpp's "[PAD123]" placeholders for ids the model has and its tokenizer lacks: the
+            # source tokenizer has no such tokens, so no text is spelled with them, nor may a grammar.
+            continue
         # Control and user-defined tokens are matched in the raw text, so they keep their own spelling.
         if token_type not in (_CONTROL, _USER_DEFINED) and not set(token) <= alphabet:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
