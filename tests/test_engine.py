@@ -197,7 +197,7 @@ model = load_model(Path(sys.argv[3]), torch.float32, torch.device("cpu"))
 prompts = prompts_of([7, 19, 3], seed=2)
 with torch.inference_mode():
     eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
-    compiled = generate(model, prompts, 12, eos_ids=frozenset(), compile=True).tokens
+    compiled = generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens
 print(compiled == eager)
 """
 
