@@ -167,7 +167,8 @@ def sample(
     if rows.greedy:
         return greedy
     probs = filter_logits(logits, rows).softmax(dim=-1)
-    uniform = torch.rand_like(probs) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])
+    # Draws in float32, below 1.0 (exponential 0 would win any race, even for a token of probability 0).
+    uniform = torch.rand_like(probs, dtype=torch.float32) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])
     # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race), without a host sync.
     exponential = -torch.log(uniform.clamp_min(1e-20))
     drawn = (probs / exponential).argmax(dim=-1)
@@ -194,5 +195,5 @@ def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     """[B, V] numbers in (0, 1), one per (row's seed, position, token), the same wherever the row runs."""
     key = mix_32(mix_32(seeds & MASK_32) ^ (positions & MASK_32))  # [B]
     tokens = torch.arange(vocab_size, device=seeds.device) * 0x9E3779B1 & MASK_32  # [V] spread apart
-    bits = mix_32(key[:, None] ^ tokens[None, :]) >> 8  # [B, V] 24 random bits
-    return (bits.float() + 0.5) / (1 << 24)
+    bits = mix_32(key[:, None] ^ tokens[None, :]) >> 9  # [B, V] 23 random bits
+    return (bits.float() + 0.5) / (1 << 23)  # exact in float32: never 1.0

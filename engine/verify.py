@@ -34,7 +34,7 @@ def accept(logits: torch.Tensor, drafts: list[int], sampling: SamplingConfig) ->
     # After a rejected draft, the target's distribution without it; after the last draft, as it is.
     residual = torch.cat([probs[:j].scatter(1, fed[:, None], 0.0), probs[j:]])  # [j + 1, V]
     row = residual[n_kept]
-    exponential = -torch.log(torch.rand_like(row).clamp_min(1e-20))
+    exponential = -torch.log(torch.rand_like(row, dtype=torch.float32).clamp_min(1e-20))  # float32: a reduced-precision draw can round to 1.0
     token = (row / exponential).argmax()  # a draw from row / row.sum() (the exponential race)
     n, token = torch.stack([n_kept, token]).tolist()
     return n, token

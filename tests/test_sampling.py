@@ -179,3 +179,17 @@ def test_seeded_draws_follow_the_softmax():
     assert torch.allclose(counts / counts.sum(), logits[0].softmax(0), atol=0.015)
     uniform = hashed_uniform(torch.tensor([1, 2]), torch.tensor([0, 0]), 100000)
     assert 0 < uniform.min() and uniform.max() < 1 and abs(uniform.mean().item() - 0.5) < 0.005
+
+
+def test_a_seeded_draw_never_picks_a_token_of_probability_zero():
+    """With 24 random bits, (2**24 - 0.5) / 2**24 rounded to 1.0 in float32: its exponential was 0,
+    0 / 0 gave NaN, and argmax took the NaN, a token the mask (or top-k) had ruled out. This seed
+    and position hit that draw for token 254 of 1,000."""
+    logits = torch.full((1, 1000), float("-inf"))
+    logits[0, 7] = 0.0  # the only token allowed
+    rows = RowSampling([SamplingConfig(temperature=1.0)], torch.device("cpu"), seeded=True)
+    rows.seeds.fill_(37834)
+    assert sample(logits, rows, positions=torch.tensor([5])).item() == 7
+    uniform = hashed_uniform(torch.arange(16384), torch.full((16384,), 5), 1000)
+    assert uniform.max() < 1
+
