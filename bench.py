@@ -9,6 +9,8 @@
     python bench.py --speculate [--new-tokens 256] (speculative decoding on code-copying and free-text prompts, beside llama.cpp's prompt lookup)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
     python bench.py --workload 32 --serve        (serve.py under that load over HTTP: all at once, one at a time)
+    python bench.py --prefix-reuse [--turns 4] [--conversations 32] [--system-tokens 1000]
+                                                 (serve.py with and without its prefix cache, chats sharing a system prompt)
     torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
@@ -106,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--speculate", action="store_true", help="prompt lookup against plain decoding, and llama.cpp's with and without its own, on HumanEval chat prompts")
     s.add_argument("--speculate-prompts", type=int, default=3, metavar="N", help="--speculate: prompts of each kind (HumanEval problems 0..N-1)")
     s.add_argument("--draft-tokens", type=int, default=8, help="--speculate: the most drafts one pass verifies, in both systems")
+    r = p.add_argument_group("prefix caching (benchmark/prefix_reuse.py)")
+    r.add_argument("--prefix-reuse", action="store_true", help="serve.py with and without its prefix cache: a chat of --turns turns, and --conversations chats at once, over one system prompt")
+    r.add_argument("--turns", type=int, default=4, help="--prefix-reuse: turns of the one conversation, each sending the whole history")
+    r.add_argument("--conversations", type=int, default=32, help="--prefix-reuse: conversations sent at once, sharing the system prompt")
+    r.add_argument("--system-tokens", type=int, default=1000, help="--prefix-reuse: the system prompt's length in tokens")
     w = p.add_argument_group("serving workload")
     w.add_argument("--workload", type=int, metavar="N", help="a serving benchmark of N prompts instead (see above)")
     w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
@@ -246,6 +253,9 @@ def run(args: argparse.Namespace) -> None:
     if args.speculate:
         run_speculation(args)
         return
+    if args.prefix_reuse:
+        run_prefix_reuse(args)
+        return
     batch = positive("--batch", args.batch)
     trials = positive("--trials", args.trials)
     new_tokens = positive("--new-tokens", args.new_tokens, minimum=2)  # the first new token comes from prefill
@@ -324,6 +334,14 @@ def run_speculation(args: argparse.Namespace) -> None:
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     new_tokens, max_draft = positive("--new-tokens", args.new_tokens, minimum=2), positive("--draft-tokens", args.draft_tokens)
     measure_speculation(model, checkpoint, gguf, n_prompts, new_tokens, max_draft, compile_step)
+
+
+def run_prefix_reuse(args: argparse.Namespace) -> None:
+    from benchmark.prefix_reuse import measure_prefix_reuse
+
+    checkpoint, _ = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    turns, conversations = positive("--turns", args.turns), positive("--conversations", args.conversations)
+    measure_prefix_reuse(Path(checkpoint), positive("--system-tokens", args.system_tokens), turns, conversations, positive("--new-tokens", args.new_tokens), args.json)
 
 
 def run_workload(args: argparse.Namespace) -> None:

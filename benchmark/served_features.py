@@ -125,15 +125,17 @@ def tool_round_trip(client, model: str) -> dict:
     out: dict = {"auto_finish_reason": choice.finish_reason, "auto_calls": [(c.function.name, json.loads(c.function.arguments)) for c in calls]}
     if calls:
         messages += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature": 18, "unit": "celsius", "sky": "clear"}'}]
-        final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=80, temperature=0)
-        streamed = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], max_tokens=80, temperature=0, stream=True)
-        chunks = list(streamed)
-        out |= {
-            "final_answer": final.choices[0].message.content,
-            "final_finish_reason": final.choices[0].finish_reason,
-            "streamed_equals_whole": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == final.choices[0].message.content,
-        }
-        progress(f"tools, final answer: {out['final_answer']!r}; streamed the same: {out['streamed_equals_whole']}")
+        for then in ("auto", "none"):  # 'none': the model is told of no tools, so it answers in words
+            final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=then, max_tokens=80, temperature=0)
+            streamed = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=then, max_tokens=80, temperature=0, stream=True)
+            chunks = list(streamed)
+            out[f"final_{then}"] = {
+                "answer": final.choices[0].message.content,
+                "calls": [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls or []],
+                "finish_reason": final.choices[0].finish_reason,
+                "streamed_equals_whole": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (final.choices[0].message.content or ""),
+            }
+            progress(f"tools, final answer with tool_choice {then}: {out[f'final_{then}']}")
     for choice_name, tool_choice in (("required", "required"), ("named", {"type": "function", "function": {"name": "get_time"}})):
         forced = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me about Rome."}], tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=100, temperature=0)
         got = [(c.function.name, json.loads(c.function.arguments)) for c in forced.choices[0].message.tool_calls or []]
@@ -145,7 +147,7 @@ def tool_round_trip(client, model: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, help="model folder (default: the packaged Qwen2.5-Coder-0.5B-Instruct)")
-    p.add_argument("--answers-per-schema", type=int, default=10, choices=range(1, 11), metavar="1-10")
+    p.add_argument("--answers-per-schema", type=int, default=10, choices=range(0, 11), metavar="0-10", help="0: the tools alone")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     import openai
@@ -165,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         tools = tool_round_trip(client, model)
     finally:
         server.stop()
-    cost = mask_cost(checkpoint, texts)
-    holding = sum(r["holds"] for r in results)
-    print(f"json_schema: {holding} of {len(results)} answers parse and hold to their schema")
-    print(f"mask per step: {cost['fill_us_median']:.0f} us median, {cost['fill_us_p95']:.0f} us p95 over {cost['steps']} steps; a schema compiles in {cost['compile_ms_median']:.1f} ms")
+    cost = mask_cost(checkpoint, texts) if texts else None
+    if cost:
+        print(f"json_schema: {sum(r['holds'] for r in results)} of {len(results)} answers parse and hold to their schema")
+        print(f"mask per step: {cost['fill_us_median']:.0f} us median, {cost['fill_us_p95']:.0f} us p95 over {cost['steps']} steps; a schema compiles in {cost['compile_ms_median']:.1f} ms")
     print(f"tools: {json.dumps(tools)}")
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": str(checkpoint), "json_schema": results, "mask_cost": cost, "tools": tools}, indent=1))

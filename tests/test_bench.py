@@ -400,3 +400,21 @@ def test_the_server_under_the_serving_workload(chat_checkpoint, tmp_path):
     assert faults["bad_with_4xx_error_body"] == faults["bad_requests"] == 100 and faults["answers_equal_clean_run"] == faults["answers"] == 5
     assert faults["free_blocks"] == faults["pool_blocks"] == data["config"]["pool_blocks"]
     assert "server_concurrent/server_one_by_one: throughput" in stdout.getvalue()
+
+
+def test_prefix_reuse_compares_serve_py_with_and_without_its_prefix_cache(chat_checkpoint, tmp_path):
+    """bench.py --prefix-reuse: a conversation's turns and chats at once over one system prompt,
+    through serve.py with and without the prefix cache; the same answers, the shared blocks found."""
+    out = tmp_path / "reuse.json"
+    argv = ["--checkpoint", str(chat_checkpoint), "--prefix-reuse", "--turns", "3", "--conversations", "4", "--system-tokens", "80", "--new-tokens", "4", "--json", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    on, off = data["with_cache"], data["without_cache"]
+    assert data["system_tokens"] >= 80 and len(on["turn_ttft_s"]) == len(off["turn_ttft_s"]) == 3
+    assert on["answers"] == off["answers"] and on["blocks_back"] and off["blocks_back"]
+    assert all(hit == 0 for hit in off["cached_tokens"])
+    # Every later turn finds the history before it; every chat at once finds the system prompt (blocks of 16).
+    assert all(hit >= data["system_tokens"] // 16 * 16 - 16 for hit in on["cached_tokens"][1:])
+    assert "answers equal with and without the cache: 7 of 7" in stdout.getvalue()

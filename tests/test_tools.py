@@ -4,6 +4,7 @@ tools, the tool messages and the template's variables rendered as transformers r
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
@@ -324,3 +325,40 @@ def test_a_complete_answer_may_end_with_any_of_the_checkpoints_end_tokens(tmp_pa
     mask.accept(tokenizer.encode("}", add_special_tokens=False)[0])
     assert allowed(end_of_text) and allowed(im_end)
     mask.accept(im_end)  # the row ends; the grammar is not asked about it
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.real
+def test_qwen_calls_a_tool_reads_its_result_and_holds_json_to_a_schema(packaged_model, tmp_path):
+    """Qwen2.5-Coder through the official openai client, float32, temperature 0: the call parsed
+    into tool_calls (whole and streamed), its result sent back as a tool message, a final answer
+    in words (streamed the same), and json_schema answers that hold."""
+    _, checkpoint = packaged_model("qwen-coder")
+    server = Server(checkpoint, "--no-compile", "--dtype", "float32", "--max-batch", "2", log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        client, name = server.client(), checkpoint.name
+        messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+        first = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0)
+        [call] = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+        chunks = list(client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], max_tokens=60, temperature=0, stream=True))
+        [streamed] = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        assert (streamed.function.name, json.loads(streamed.function.arguments)) == (call.function.name, json.loads(call.function.arguments))
+
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 18 degrees Celsius."}]
+        final = client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=60, temperature=0)
+        answer = final.choices[0].message
+        assert answer.tool_calls is None and "18" in answer.content  # the tool's result reached the model
+        chunks = list(client.chat.completions.create(model=name, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=60, temperature=0, stream=True))
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == answer.content
+
+        schema = {"type": "object", "properties": {"item": {"enum": ["keyboard", "mouse"]}, "quantity": {"type": "integer", "minimum": 1}}, "required": ["item", "quantity"], "additionalProperties": False}
+        form = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema, "strict": True}}
+        for request, item, quantity in (("two mice, please", "mouse", 2), ("one keyboard", "keyboard", 1)):
+            order = client.chat.completions.create(model=name, messages=[{"role": "user", "content": f"Turn this into an order: {request}"}], response_format=form, max_tokens=40, temperature=0)
+            assert json.loads(order.choices[0].message.content) == {"item": item, "quantity": quantity} and order.choices[0].finish_reason == "stop"
+    finally:
+        assert server.stop() == -signal.SIGTERM
