@@ -341,7 +341,7 @@ def run_prefix_reuse(args: argparse.Namespace) -> None:
 
     checkpoint, _ = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
     turns, conversations = positive("--turns", args.turns), positive("--conversations", args.conversations)
-    measure_prefix_reuse(Path(checkpoint), positive("--system-tokens", args.system_tokens), turns, conversations, positive("--new-tokens", args.new_tokens), args.json)
+    measure_prefix_reuse(Path(checkpoint), args.dtype, positive("--system-tokens", args.system_tokens), turns, conversations, positive("--new-tokens", args.new_tokens), args.json)
 
 
 def run_workload(args: argparse.Namespace) -> None:

@@ -7,9 +7,11 @@ share a long system prompt (numbered facts, about --system-tokens tokens):
 - --conversations conversations at once, each with a question of its own: the time to first
   token at the median and the 95th percentile.
 
-Time to first token is from sending the request to the first streamed text. At temperature 0 in
-float32 the answers with and without the cache are compared, and every block is back in the pool
-at the end (GET /stats).
+Time to first token is from sending the request to the first streamed text. At temperature 0 the
+answers with and without the cache are compared (in float32 they are the same; in bfloat16 a
+suffix prefilled apart from its prefix rounds differently and may change one), and every block is
+back in the pool at the end (GET /stats). The chats at once find the system prompt the
+conversation left in the cache, as on a server that has been up a while.
 """
 
 import http.client
@@ -75,12 +77,12 @@ def chat_stream(port: int, messages: list[dict], max_tokens: int) -> tuple[str, 
         connection.close()
 
 
-def run_server(checkpoint: Path, prefix_cache: bool, system: str, turns: int, conversations: int, max_tokens: int) -> CacheRun:
+def run_server(checkpoint: Path, dtype: str, prefix_cache: bool, system: str, turns: int, conversations: int, max_tokens: int) -> CacheRun:
     name = "with the prefix cache" if prefix_cache else "--no-prefix-cache"
 
     def command(port: int) -> list[str]:
         options = [] if prefix_cache else ["--no-prefix-cache"]
-        return [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port), "--dtype", "float32", "--max-batch", "8", "--max-waiting", str(conversations), *options]
+        return [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port), "--dtype", dtype, "--max-batch", "8", "--max-waiting", str(conversations), *options]
 
     progress(f"serve.py {name}: starting")
     server = ServerProcess(command, "/health")
@@ -117,17 +119,17 @@ def run_server(checkpoint: Path, prefix_cache: bool, system: str, turns: int, co
         server.stop()
 
 
-def measure_prefix_reuse(checkpoint: Path, system_tokens: int, turns: int, conversations: int, max_tokens: int, out: Path | None) -> None:
+def measure_prefix_reuse(checkpoint: Path, dtype: str, system_tokens: int, turns: int, conversations: int, max_tokens: int, out: Path | None) -> None:
     tokenizer = Tokenizer.from_dir(checkpoint)
     system = system_prompt(tokenizer, system_tokens)
-    runs = {cache: run_server(checkpoint, cache, system, turns, conversations, max_tokens) for cache in (True, False)}
+    runs = {cache: run_server(checkpoint, dtype, cache, system, turns, conversations, max_tokens) for cache in (True, False)}
     on, off = runs[True], runs[False]
     rows = [[f"turn {i + 1}: first token (s)", number(a), number(b), f"{a / b:.2f}"] for i, (a, b) in enumerate(zip(on.turn_ttft_s, off.turn_ttft_s))]
     rows += [
         [f"{conversations} at once: first token p50 (s)", number(on.ttft_p50_s), number(off.ttft_p50_s), f"{on.ttft_p50_s / off.ttft_p50_s:.2f}"],
         [f"{conversations} at once: first token p95 (s)", number(on.ttft_p95_s), number(off.ttft_p95_s), f"{on.ttft_p95_s / off.ttft_p95_s:.2f}"],
     ]
-    print(f"model: {checkpoint.name}, float32 | system prompt: {len(tokenizer.encode(system))} tokens | answers of at most {max_tokens} tokens, temperature 0")
+    print(f"model: {checkpoint.name}, --dtype {dtype} | system prompt: {len(tokenizer.encode(system))} tokens | answers of at most {max_tokens} tokens, temperature 0")
     print(table(["", "prefix cache", "--no-prefix-cache", "ratio"], rows))
     same = sum(a == b for a, b in zip(on.answers, off.answers))
     print(f"answers equal with and without the cache: {same} of {len(on.answers)}; every block back at the end: {on.blocks_back and off.blocks_back}")
@@ -135,5 +137,5 @@ def measure_prefix_reuse(checkpoint: Path, system_tokens: int, turns: int, conve
     if later:
         print(f"later turns' first token against the first turn's, with the cache: {max(later) / on.turn_ttft_s[0]:.1%} at most")
     if out:
-        out.write_text(json.dumps({"checkpoint": str(checkpoint), "system_tokens": len(tokenizer.encode(system)), "with_cache": asdict(on), "without_cache": asdict(off)}, indent=1))
+        out.write_text(json.dumps({"checkpoint": str(checkpoint), "dtype": dtype, "system_tokens": len(tokenizer.encode(system)), "with_cache": asdict(on), "without_cache": asdict(off)}, indent=1))
         progress(f"wrote {out}")

@@ -406,7 +406,7 @@ def test_prefix_reuse_compares_serve_py_with_and_without_its_prefix_cache(chat_c
     """bench.py --prefix-reuse: a conversation's turns and chats at once over one system prompt,
     through serve.py with and without the prefix cache; the same answers, the shared blocks found."""
     out = tmp_path / "reuse.json"
-    argv = ["--checkpoint", str(chat_checkpoint), "--prefix-reuse", "--turns", "3", "--conversations", "4", "--system-tokens", "80", "--new-tokens", "4", "--json", str(out)]
+    argv = ["--checkpoint", str(chat_checkpoint), "--dtype", "float32", "--prefix-reuse", "--turns", "3", "--conversations", "4", "--system-tokens", "80", "--new-tokens", "4", "--json", str(out)]
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         assert bench.main(argv) == 0
