@@ -29,7 +29,7 @@ COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reus
 COMPILE_FROM_TOKENS = 512  # from this many tokens a compiled step repays its warm start (docs/performance.md)
 DTYPE_HELP = (
     "activations and KV cache. auto: bfloat16 with quantized weights, the bundled model's included, on every CPU kind "
-    "(torch's int4 product with float32 activations is 4-5x slower on CPU; docs/performance.md); else the checkpoint's dtype, "
+    "(torch's int4 product with float32 activations is 4-27x slower on CPU; docs/performance.md); else the checkpoint's dtype, "
     "bfloat16 for float16 on CPU (whose float16 products are emulated), and float32 for a batch of 2 rows or more on a CPU "
     "without native bfloat16 products (AVX2), where it decodes a batch of 8 2.7x faster"
 )
@@ -140,7 +140,7 @@ def pick_dtype(name: str, checkpoint: Path, device: torch.device, quant: str, *,
     that keeps the checkpoint's precision.
 
     - Quantized weights (--quant int8/int4, or a checkpoint saved quantized): bfloat16, on every
-      CPU kind and on CUDA. torch's CPU int4 product with float32 activations is 4-5x slower than
+      CPU kind and on CUDA. torch's CPU int4 product with float32 activations is 4-27x slower than
       with bfloat16 ones (docs/performance.md), and the weights carry less precision than either.
     - Float weights: the checkpoint's dtype, except on CPU: float16 becomes bfloat16 (float16
       products are emulated there; bfloat16 has the same size and native kernels), and on a CPU
