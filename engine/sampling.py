@@ -167,8 +167,7 @@ def sample(
     if rows.greedy:
         return greedy
     probs = filter_logits(logits, rows).softmax(dim=-1)
-    # argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race) without a host sync;
-    # the uniforms are float32 and below 1.0, since E = 0 would win the race even where p is 0.
+    # argmax(p / E), E ~ Exponential(1), draws from p without a host sync; uniforms float32, below 1 (E = 0 wins even at p = 0).
     uniform = torch.rand_like(probs, dtype=torch.float32) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])
     exponential = -torch.log(uniform.clamp_min(1e-20))
     drawn = (probs / exponential).argmax(dim=-1)
