@@ -22,7 +22,7 @@ ALLOWED = {
     "cli": LOWER,  # which checkpoint, in which form and dtype; every feature's options
     "cli_features": LOWER | {"cli"},  # a feature built from its options
     "server": LOWER | {"cli"},
-    "benchmark": LOWER | {"cli", "cli_features"},
+    "benchmark": LOWER | {"cli", "cli_features", "server"},  # server: a part of serve.py it times in-process (a grammar's mask)
     "evaluation": LOWER | {"cli"},
     "generate": LOWER | {"cli", "cli_features"},
     "serve": LOWER | {"cli", "cli_features", "server"},
