@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -134,32 +134,36 @@ def completion_body(request: Request, stream: bool) -> dict:
     return {"prompt": request.prompt, "max_tokens": request.max_new_tokens, "temperature": 0, "stream": stream, "stream_options": {"include_usage": True}}
 
 
-def stream_one(port: int, body: dict) -> Answer:
-    """One streamed completion, read to its end. Its tokens: the usage's count, else (a server
-    that streams no usage) max_tokens when it ended on its length."""
+def streamed_chunks(port: int, path: str, body: dict) -> Iterator[tuple[float, dict]]:
+    """A streamed request's chunks as they come, each with the seconds since it was sent; a
+    status other than 200 is one clear error."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     try:
         sent = time.perf_counter()
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         response = connection.getresponse()
         if response.status != 200:
             raise UserError(f"the server answered {response.status}: {response.read()[:300]!r}")
-        pieces, tokens, first = [], 0, None
         for line in response:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                first = first or time.perf_counter()
-                pieces.append(chunk["choices"][0]["text"])
-            if chunk["choices"] and chunk["choices"][0].get("finish_reason") == "length":
-                tokens = tokens or body["max_tokens"]
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-        now = time.perf_counter()
-        return Answer("".join(pieces), tokens, (first or now) - sent)
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                yield time.perf_counter() - sent, json.loads(line[6:])
     finally:
         connection.close()
+
+
+def stream_one(port: int, body: dict) -> Answer:
+    """One streamed completion, read to its end. Its tokens: the usage's count, else (a server
+    that streams no usage) max_tokens when it ended on its length."""
+    pieces, tokens, first, seconds = [], 0, None, 0.0
+    for seconds, chunk in streamed_chunks(port, "/v1/completions", body):
+        if chunk["choices"] and chunk["choices"][0]["text"]:
+            first = first or seconds
+            pieces.append(chunk["choices"][0]["text"])
+        if chunk["choices"] and chunk["choices"][0].get("finish_reason") == "length":
+            tokens = tokens or body["max_tokens"]
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return Answer("".join(pieces), tokens, first or seconds)
 
 
 def run_all(port: int, requests: list[Request], concurrent: bool, faults: bool = False, body: Callable[[Request], dict] | None = None) -> tuple[list[Answer], float, dict]:

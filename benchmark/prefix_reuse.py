@@ -14,16 +14,14 @@ back in the pool at the end (GET /stats). The chats at once find the system prom
 conversation left in the cache, as on a server that has been up a while.
 """
 
-import http.client
 import json
 import statistics
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmark.load import ServerProcess
+from benchmark.load import ServerProcess, streamed_chunks
 from benchmark.report import number, table
 from benchmark.workload import progress
 from weights.tokenizer import Tokenizer
@@ -53,28 +51,16 @@ def system_prompt(tokenizer: Tokenizer, tokens: int) -> str:
 def chat_stream(port: int, messages: list[dict], max_tokens: int) -> tuple[str, float, int]:
     """One streamed chat answer at temperature 0: its text, its time to first text, its cached prompt tokens."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    try:
-        start = time.perf_counter()
-        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"serve.py answered {response.status}: {response.read()[:300]!r}")
-        text, first, cached = "", None, 0
-        for line in response:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                piece = choice["delta"].get("content") or ""
-                if (piece or choice.get("finish_reason")) and first is None:
-                    first = time.perf_counter() - start
-                text += piece
-            if chunk.get("usage"):
-                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-        return text, first, cached
-    finally:
-        connection.close()
+    text, first, cached = "", None, 0
+    for seconds, chunk in streamed_chunks(port, "/v1/chat/completions", body):
+        for choice in chunk["choices"]:
+            piece = choice["delta"].get("content") or ""
+            if (piece or choice.get("finish_reason")) and first is None:
+                first = seconds
+            text += piece
+        if chunk.get("usage"):
+            cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return text, first, cached
 
 
 def run_server(checkpoint: Path, dtype: str, prefix_cache: bool, system: str, turns: int, conversations: int, max_tokens: int) -> CacheRun:
