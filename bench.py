@@ -9,8 +9,7 @@
     python bench.py --speculate [--new-tokens 256] (speculative decoding on code-copying and free-text prompts, beside llama.cpp's prompt lookup)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
     python bench.py --workload 32 --serve        (serve.py under that load over HTTP: all at once, one at a time)
-    python bench.py --prefix-reuse [--turns 4] [--conversations 32] [--system-tokens 1000]
-                                                 (serve.py with and without its prefix cache, chats sharing a system prompt)
+    python bench.py --prefix-reuse [--turns 4] [--conversations 32]   (serve.py with and without its prefix cache)
     torchrun --nproc-per-node 2 bench.py --checkpoint DIR      (the engine split over 2 ranks; per-rank memory)
 
 The prompt is --batch rows of --prompt-len random token ids (seeded, the same for every system).
@@ -57,11 +56,12 @@ from benchmark.machine import Machine, bandwidth_roofline, describe_machine
 from benchmark.parallel import measure_ranks, print_ranks, ranks_json
 from benchmark.memory import gguf_traffic
 from benchmark.report import Report, figures, print_report
+from benchmark.prefix_reuse import add_prefix_reuse_args, run_prefix_reuse
 from benchmark.serving import measure_serving, print_serving, random_requests, serving_json
 from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
 from benchmark.workers import System, timed_in_turn
-from benchmark.workload import ServingWorkload, Workload, progress
+from benchmark.workload import ServingWorkload, Workload, progress, span
 from cli import DTYPE_HELP, DTYPES, add_compression_args, add_paging_args, add_parallel_args, add_quant_args, checkpoint_and_quant, compression_config, pick_device, pick_dtype
 from cli_features import attention_line, page_config, ranks_running, start_ranks
 from kv.paged import PageConfig
@@ -108,11 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--speculate", action="store_true", help="prompt lookup against plain decoding, and llama.cpp's with and without its own, on HumanEval chat prompts")
     s.add_argument("--speculate-prompts", type=int, default=3, metavar="N", help="--speculate: prompts of each kind (HumanEval problems 0..N-1)")
     s.add_argument("--draft-tokens", type=int, default=8, help="--speculate: the most drafts one pass verifies, in both systems")
-    r = p.add_argument_group("prefix caching (benchmark/prefix_reuse.py)")
-    r.add_argument("--prefix-reuse", action="store_true", help="serve.py with and without its prefix cache: a chat of --turns turns, and --conversations chats at once, over one system prompt")
-    r.add_argument("--turns", type=int, default=4, help="--prefix-reuse: turns of the one conversation, each sending the whole history")
-    r.add_argument("--conversations", type=int, default=32, help="--prefix-reuse: conversations sent at once, sharing the system prompt")
-    r.add_argument("--system-tokens", type=int, default=1000, help="--prefix-reuse: the system prompt's length in tokens")
+    add_prefix_reuse_args(p)
     w = p.add_argument_group("serving workload")
     w.add_argument("--workload", type=int, metavar="N", help="a serving benchmark of N prompts instead (see above)")
     w.add_argument("--workload-prompt-len", default="32-1024", metavar="MIN-MAX", help="--workload: prompt lengths, drawn uniformly")
@@ -227,17 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: run(args))
 
 
-def span(name: str, text: str) -> tuple[int, int]:
-    """MIN-MAX, two positive integers, MIN <= MAX."""
-    try:
-        low, high = (int(part) for part in text.split("-"))
-    except ValueError:
-        raise UserError(f"{name} takes MIN-MAX like 32-1024, got {text!r}") from None
-    if not 1 <= low <= high:
-        raise UserError(f"{name} needs 1 <= MIN <= MAX, got {text!r}")
-    return low, high
-
-
 def run(args: argparse.Namespace) -> None:
     if "WORLD_SIZE" in os.environ:  # started by torchrun
         run_ranks(args)
@@ -334,14 +319,6 @@ def run_speculation(args: argparse.Namespace) -> None:
     compile_step = device.type == "cpu" if args.compile is None else args.compile
     new_tokens, max_draft = positive("--new-tokens", args.new_tokens, minimum=2), positive("--draft-tokens", args.draft_tokens)
     measure_speculation(model, checkpoint, gguf, n_prompts, new_tokens, max_draft, compile_step)
-
-
-def run_prefix_reuse(args: argparse.Namespace) -> None:
-    from benchmark.prefix_reuse import measure_prefix_reuse
-
-    checkpoint, _ = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
-    turns, conversations = positive("--turns", args.turns), positive("--conversations", args.conversations)
-    measure_prefix_reuse(Path(checkpoint), args.dtype, positive("--system-tokens", args.system_tokens), turns, conversations, positive("--new-tokens", args.new_tokens), args.json)
 
 
 def run_workload(args: argparse.Namespace) -> None:

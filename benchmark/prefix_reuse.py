@@ -14,6 +14,7 @@ back in the pool at the end (GET /stats). The chats at once find the system prom
 conversation left in the cache, as on a server that has been up a while.
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -24,6 +25,8 @@ from pathlib import Path
 from benchmark.load import ServerProcess, streamed_chunks
 from benchmark.report import number, table
 from benchmark.workload import progress
+from cli import checkpoint_and_quant
+from errors import UserError
 from weights.tokenizer import Tokenizer
 
 QUESTIONS = ["What is the code of room {}?", "Which room has code {}?", "Say the code of room {} twice.", "Is room {} listed? Answer yes or no."]
@@ -125,3 +128,21 @@ def measure_prefix_reuse(checkpoint: Path, dtype: str, system_tokens: int, turns
     if out:
         out.write_text(json.dumps({"checkpoint": str(checkpoint), "dtype": dtype, "system_tokens": len(tokenizer.encode(system)), "with_cache": asdict(on), "without_cache": asdict(off)}, indent=1))
         progress(f"wrote {out}")
+
+
+def add_prefix_reuse_args(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("prefix caching (benchmark/prefix_reuse.py)")
+    r.add_argument("--prefix-reuse", action="store_true", help="serve.py with and without its prefix cache: a chat of --turns turns, and --conversations chats at once, over one system prompt")
+    r.add_argument("--turns", type=int, default=4, help="--prefix-reuse: turns of the one conversation, each sending the whole history")
+    r.add_argument("--conversations", type=int, default=32, help="--prefix-reuse: conversations sent at once, sharing the system prompt")
+    r.add_argument("--system-tokens", type=int, default=1000, help="--prefix-reuse: the system prompt's length in tokens")
+
+
+def run_prefix_reuse(args: argparse.Namespace) -> None:
+    """bench.py --prefix-reuse, with bench.py's --checkpoint, --quant, --dtype, --new-tokens (each answer's most) and --json."""
+    for flag, value in (("--turns", args.turns), ("--conversations", args.conversations), ("--system-tokens", args.system_tokens), ("--new-tokens", args.new_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    checkpoint, _ = checkpoint_and_quant(args.checkpoint, args.quant, args.group_size)
+    measure_prefix_reuse(Path(checkpoint), args.dtype, args.system_tokens, args.turns, args.conversations, args.new_tokens, args.json)
+

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from compression.config import CompressionConfig
+from errors import UserError
 from kv.paged import PageConfig
 from engine.scheduler import Request
 from models.parallel import TensorParallel
@@ -120,3 +121,14 @@ class ServingTrial:
     @property
     def summary(self) -> str:
         return f"{self.seconds:.1f} s, {self.tok_s:.1f} tok/s, KV peak {self.kv_peak_bytes / 2**20:.0f} MiB, {self.most_rows} rows at most"
+
+
+def span(name: str, text: str) -> tuple[int, int]:
+    """MIN-MAX, two positive integers, MIN <= MAX."""
+    try:
+        low, high = (int(part) for part in text.split("-"))
+    except ValueError:
+        raise UserError(f"{name} takes MIN-MAX like 32-1024, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise UserError(f"{name} needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
