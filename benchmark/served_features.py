@@ -26,6 +26,8 @@ import torch
 
 from benchmark.load import ServerProcess
 from benchmark.workload import progress
+from errors import UserError, run_command
+from weights.packaged import qwen_coder_checkpoint
 
 SCHEMAS: list[tuple[str, dict, str, Callable[[dict], bool]]] = [
     (
@@ -150,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answers-per-schema", type=int, default=10, choices=range(0, 11), metavar="0-10", help="0: the tools alone")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    import openai
+    return run_command(lambda: measure(args.checkpoint or qwen_coder_checkpoint(), args.answers_per_schema, args.json))
 
-    from weights.packaged import qwen_coder_checkpoint
 
-    checkpoint = args.checkpoint or qwen_coder_checkpoint()
+def measure(checkpoint: Path, per_schema: int, out: Path | None) -> None:
+    try:
+        import openai  # the test extra's; the project itself never needs it
+    except ImportError:
+        raise UserError("this check drives serve.py with the official client: pip install openai") from None
+
     def command(port: int) -> list[str]:
         return [sys.executable, "serve.py", "--checkpoint", str(checkpoint), "--port", str(port), "--max-batch", "4"]
 
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        results, texts = structured_answers(client, model, args.answers_per_schema)
+        results, texts = structured_answers(client, model, per_schema)
         tools = tool_round_trip(client, model)
     finally:
         server.stop()
@@ -172,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"json_schema: {sum(r['holds'] for r in results)} of {len(results)} answers parse and hold to their schema")
         print(f"mask per step: {cost['fill_us_median']:.0f} us median, {cost['fill_us_p95']:.0f} us p95 over {cost['steps']} steps; a schema compiles in {cost['compile_ms_median']:.1f} ms")
     print(f"tools: {json.dumps(tools)}")
-    if args.json:
-        args.json.write_text(json.dumps({"checkpoint": str(checkpoint), "json_schema": results, "mask_cost": cost, "tools": tools}, indent=1))
-    return 0
+    if out:
+        out.write_text(json.dumps({"checkpoint": str(checkpoint), "json_schema": results, "mask_cost": cost, "tools": tools}, indent=1))
 
 
 if __name__ == "__main__":

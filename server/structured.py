@@ -32,10 +32,9 @@ class JsonMask:
     Once the answer is complete, every end-of-sequence token of the checkpoint may end it (a chat
     model ends its turn with its own, e.g. Qwen's <|im_end|>, which llguidance's one EOS is not)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int]):
-        self.matcher, self.eos_ids = matcher, eos_ids
-        # (word, bit as an int32) of each end-of-sequence token in a [*, ceil(V / 32)] bitmask
-        self.eos_words = [(token // 32, int(torch.tensor(1 << (token % 32)).to(torch.int32))) for token in sorted(eos_ids)]
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int], eos_words: list[tuple[int, int]]):
+        """eos_words: (word, bit as an int32 value) of each end token in a [*, ceil(V / 32)] bitmask."""
+        self.matcher, self.eos_ids, self.eos_words = matcher, eos_ids, eos_words
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
@@ -54,6 +53,8 @@ class JsonGrammars:
     def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: frozenset[int]):
         eos = min(eos_ids) if eos_ids else None  # llguidance's own; JsonMask allows all of them
         self.eos_ids = eos_ids
+        bits = [(token // 32, 1 << token % 32) for token in sorted(eos_ids)]
+        self.eos_words = [(word, bit - (1 << 32) if bit >= 1 << 31 else bit) for word, bit in bits]  # bit 31 is int32's sign
         self.tokenizer, self.unreadable = None, ""
         try:  # a tokenizer it cannot read costs the server its masks, not every request
             self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size, eos_token=eos)
@@ -104,4 +105,4 @@ class JsonGrammars:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:  # each message's first line names the problem; the rest quotes the grammar
             raise UserError(f"{field}: the schema cannot be enforced: {'; '.join(m.splitlines()[0] for m in messages)}")
-        return JsonMask(llguidance.LLMatcher(self.tokenizer, grammar), self.eos_ids)
+        return JsonMask(llguidance.LLMatcher(self.tokenizer, grammar), self.eos_ids, self.eos_words)

@@ -314,7 +314,8 @@ def test_a_complete_answer_may_end_with_any_of_the_checkpoints_end_tokens(tmp_pa
     write_tiny_tokenizer(tmp_path)
     tokenizer = Tokenizer.from_dir(tmp_path)
     end_of_text, im_end = tokenizer.encode("<|endoftext|>", add_special_tokens=False)[0], tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
-    mask = JsonGrammars(tmp_path / "tokenizer.json", 500, frozenset({end_of_text, im_end})).mask("json_object", None, False)
+    sign_bit = 12 * 32 + 31  # an end token at bit 31 of its word, int32's sign bit
+    mask = JsonGrammars(tmp_path / "tokenizer.json", 500, frozenset({end_of_text, im_end, sign_bit})).mask("json_object", None, False)
     bitmask = torch.zeros(1, 16, dtype=torch.int32)
 
     def allowed(token: int) -> bool:
@@ -325,7 +326,7 @@ def test_a_complete_answer_may_end_with_any_of_the_checkpoints_end_tokens(tmp_pa
         assert not allowed(end_of_text) and not allowed(im_end)
         mask.accept(token)
     mask.accept(tokenizer.encode("}", add_special_tokens=False)[0])
-    assert allowed(end_of_text) and allowed(im_end)
+    assert allowed(end_of_text) and allowed(im_end) and allowed(sign_bit)
     mask.accept(im_end)  # the row ends; the grammar is not asked about it
 
 
