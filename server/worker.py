@@ -203,13 +203,17 @@ class Worker:
                 except UserError as e:  # checked before submit; the batch says the same
                     self._end(job, Failed(str(e), 400))
             elif job.key in self.jobs:
-                self.batch.cancel(job.key)
-                self.batch.cached_tokens.pop(job.key, None)
+                self._take_out(job)
                 with self.lock:
                     self.jobs.pop(job.key, None)
                 self.cancelled += 1
                 self.metrics.finished("cancelled")
                 log.info("request %d cancelled after %d tokens: the client went away", job.key, job.completion_tokens)
+
+    def _take_out(self, job: Job) -> None:
+        """The job leaves its row, or the queue, unfinished."""
+        self.batch.cancel(job.key)
+        self.batch.cached_tokens.pop(job.key, None)
 
     def _expire(self) -> None:
         """End the jobs that have run or waited past the time limit, before the next step."""
@@ -217,8 +221,7 @@ class Worker:
         with self.lock:
             late = [job for job in self.jobs.values() if now - job.started > self.timeout_s]
         for job in late:
-            self.batch.cancel(job.key)
-            self.batch.cached_tokens.pop(job.key, None)
+            self._take_out(job)
             self.timed_out += 1
             self.metrics.finished("timeout")
             log.info("request %d timed out after %.1f s and %d tokens", job.key, now - job.started, job.completion_tokens)
