@@ -161,6 +161,20 @@ def prompts_of(lengths, seed=0) -> list[list[int]]:
     return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
 
 
+def bf16_prefill_attention_runs() -> bool:
+    """torch 2.13 on an AMX CPU run with ATEN_CPU_CAPABILITY=avx2 (CI's second pass) packs bf16
+    SDPA operands for AMX from kernels built without AVX-512, and fails from 64 query rows on."""
+    q = torch.zeros(1, 1, 64, 16, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as error:
+        if "pack_vnni2" in str(error):
+            return False
+        raise
+    return True
+
+
+@pytest.mark.skipif(not bf16_prefill_attention_runs(), reason="torch's bf16 SDPA fails on an AMX CPU forced to its AVX2 kernels")
 @pytest.mark.parametrize("paged", [False, True])
 def test_the_flash_decode_call_computes_the_sdpa_attention(paged, tiny_checkpoint, monkeypatch):
     """The engine's flash-attn call (layout, cache_seqlens, block table, GQA) against the reference
