@@ -60,11 +60,11 @@ from pathlib import Path
 
 import torch
 
-from compression.config import AGGREGATIONS, POLICIES, STORE_OPTIONS, VARIANT_OPTIONS, CompressionConfig, with_variant
+from compression.config import AGGREGATIONS, POLICIES, CompressionConfig
 from errors import UserError, run_command
 from evaluation.coding import HumanEvalConfig, evaluate_humaneval, read_humaneval
 from evaluation.coding_report import write as write_humaneval
-from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, TASKS, EvalConfig, split_storage
+from evaluation.config import FULL, FULL_COMPRESSION, QUICK, QUICK_COMPRESSION, QUICK_POLICIES, STORE_OPTIONS, TASKS, VARIANT_OPTIONS, EvalConfig, split_storage, with_variant
 from evaluation.harness import evaluate
 from evaluation.report import merge_results, read_results, write
 from evaluation.humaneval import LAST_PROBLEM, check_range

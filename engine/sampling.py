@@ -100,6 +100,10 @@ class RowSampling:
     def greedy(self) -> bool:
         return not self.static and all(c.temperature == 0 for c in self.configs)
 
+    def top_k_everywhere(self) -> bool:
+        """Whether every row keeps at most its top-k tokens, so that the filters need only look at those."""
+        return not self.static and all(c.top_k > 0 for c in self.configs)
+
     def top_k_bound(self, vocab_size: int) -> int:
         """The k that bounds every row's top-k (0: no row filters)."""
         return vocab_size if self.static else min(max(c.top_k for c in self.configs), vocab_size)
@@ -163,14 +167,19 @@ def sample(
     rows = as_rows(sampling, logits)
     if rows.penalises_repetition:
         logits = penalise_repetition(logits.float(), seen, rows.penalty[:, None])
-    greedy = logits.argmax(dim=-1)
+    greedy = logits.max(dim=-1).indices  # [B] the first best token, as argmax gives it (which is 4x slower on CPU in 16 bits)
     if rows.greedy:
         return greedy
-    probs = filter_logits(logits, rows).softmax(dim=-1)
+    scores, candidates = logits, torch.arange(logits.shape[-1], device=logits.device)  # [V] the token of each column
+    if rows.top_k_everywhere():
+        # Filter and draw among the best 2k tokens only, not the whole vocabulary: top-k keeps the
+        # same tokens there unless more than k of them tie with the k-th best.
+        scores, candidates = torch.topk(logits, min(2 * rows.top_k_bound(logits.shape[-1]), logits.shape[-1]), dim=-1)  # [B, K] each
+    probs = filter_logits(scores, rows).softmax(dim=-1)
     # argmax(p / E), E ~ Exponential(1), draws from p without a host sync; uniforms float32, below 1 (E = 0 wins even at p = 0).
-    uniform = torch.rand_like(probs, dtype=torch.float32) if rows.seeds is None else hashed_uniform(rows.seeds, positions, probs.shape[-1])
+    uniform = torch.rand_like(probs, dtype=torch.float32) if rows.seeds is None else hashed_uniform(rows.seeds, positions, candidates)
     exponential = -torch.log(uniform.clamp_min(1e-20))
-    drawn = (probs / exponential).argmax(dim=-1)
+    drawn = candidates.expand_as(probs).gather(-1, (probs / exponential).argmax(dim=-1, keepdim=True))[:, 0]
     return torch.where(rows.temperature > 0, drawn, greedy)
 
 
@@ -190,9 +199,9 @@ def mix_32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] numbers in (0, 1), one per (row's seed, position, token), the same wherever the row runs."""
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, V] numbers in (0, 1), one per (row's seed, position, token of `tokens` [V] or [B, V]),
+    the same wherever the row runs."""
     key = mix_32(mix_32(seeds & MASK_32) ^ (positions & MASK_32))  # [B]
-    tokens = torch.arange(vocab_size, device=seeds.device) * 0x9E3779B1 & MASK_32  # [V] spread apart
-    bits = mix_32(key[:, None] ^ tokens[None, :]) >> 9  # [B, V] 23 random bits
+    bits = mix_32(key[:, None] ^ (tokens * 0x9E3779B1 & MASK_32)) >> 9  # [B, V] 23 random bits; the tokens spread apart
     return (bits.float() + 0.5) / (1 << 23)  # exact in float32: never 1.0

@@ -20,12 +20,12 @@ import torch
 
 from cli import DTYPES
 from compression.manager import new_store
-from compression.config import CompressionConfig, with_variant
+from compression.config import CompressionConfig
 from engine.options import RunOptions, generate
 from kv.cache import KVCache
 from engine.stop_strings import cut_at_stop
 from errors import UserError
-from evaluation.config import split_storage
+from evaluation.config import split_storage, with_variant
 from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
 from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs

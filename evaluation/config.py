@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compression.config import CompressionConfig, with_variant
+from compression.config import CompressionConfig
 from compression.received_attention import attention_records
 from errors import UserError
 from kv.quantized import KV_BITS, KV_DTYPES
 
 TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
+
+# BeaconKV's options a variant may set ("beacon:heads_agree=1"), so that an ablation runs beside
+# the baselines in one evaluation; and the store's, which any policy's variant may set
+# ("snapkv:store_slots=256:recall_pages=4").
+VARIANT_OPTIONS = ("aggregation", "top_m", "heads_agree", "fps_per_group", "lazy_refresh", "prefix_budget", "prefix_tail")
+STORE_OPTIONS = ("store_slots", "store_dtype", "recall_pages", "store_drops")
+
+
+def with_variant(config: CompressionConfig, spec: str) -> CompressionConfig:
+    """`config` for the policy `spec` names: a policy ("snapkv"), BeaconKV with some of its
+    scoring options set ("beacon:aggregation=topm:top_m=8"), or any policy with a store."""
+    name, *settings = spec.split(":")
+    options = {}
+    for setting in settings:
+        option, _, value = setting.partition("=")
+        allowed = STORE_OPTIONS + (VARIANT_OPTIONS if name == "beacon" else ())
+        if option not in allowed or not value:
+            raise UserError(
+                f"policy {spec!r}: a variant is POLICY:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(STORE_OPTIONS)} "
+                f"(and for beacon {', '.join(VARIANT_OPTIONS)})"
+            )
+        kind = type(getattr(config, option))
+        try:
+            options[option] = kind(value) if kind is not bool else {"true": True, "false": False}[value.lower()]
+        except (ValueError, KeyError):
+            raise UserError(f"policy {spec!r}: {option}={value} is not a valid {kind.__name__}") from None
+    return replace(config, policy=name, **options)
 
 
 @dataclass(frozen=True)

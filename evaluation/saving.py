@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from compression.config import VARIANT_OPTIONS, CompressionConfig
+from compression.config import CompressionConfig
+from evaluation.config import VARIANT_OPTIONS
 from errors import UserError
 
 

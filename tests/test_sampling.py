@@ -177,7 +177,7 @@ def test_seeded_draws_follow_the_softmax():
     rows.seeds.copy_(torch.arange(20000))
     counts = torch.bincount(sample(logits, rows, positions=torch.full((20000,), 11)), minlength=4).float()
     assert torch.allclose(counts / counts.sum(), logits[0].softmax(0), atol=0.015)
-    uniform = hashed_uniform(torch.tensor([1, 2]), torch.tensor([0, 0]), 100000)
+    uniform = hashed_uniform(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.arange(100000))
     assert 0 < uniform.min() and uniform.max() < 1 and abs(uniform.mean().item() - 0.5) < 0.005
 
 
@@ -190,6 +190,23 @@ def test_a_seeded_draw_never_picks_a_token_of_probability_zero():
     rows = RowSampling([SamplingConfig(temperature=1.0)], torch.device("cpu"), seeded=True)
     rows.seeds.fill_(37834)
     assert sample(logits, rows, positions=torch.tensor([5])).item() == 7
-    uniform = hashed_uniform(torch.arange(16384), torch.full((16384,), 5), 1000)
+    uniform = hashed_uniform(torch.arange(16384), torch.full((16384,), 5), torch.arange(1000))
     assert uniform.max() < 1
 
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(0.8, 40, 0.95, 0.05), SamplingConfig(1.3, 3, 1.0, 0.0), SamplingConfig(0.7, 20, 0.8, 0.0)])
+def test_top_k_rows_draw_what_a_draw_over_the_whole_vocabulary_draws(config):
+    """With top-k in every row the filters and the draw see only the best 2k tokens; a brute-force
+    draw over the whole vocabulary (every filter, the exponential race over the same hashed
+    uniforms) picks the same token. bfloat16 logits, so that some tie."""
+    batch, vocab = 64, 5000
+    logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    rows = RowSampling([config] * batch, torch.device("cpu"), seeded=True)
+    rows.seeds.copy_(torch.arange(batch) * 7 + 1)
+    for position in range(5):
+        positions = torch.full((batch,), position)
+        probs = filter_logits(logits, config).softmax(dim=-1)
+        uniform = hashed_uniform(rows.seeds, positions, torch.arange(vocab))
+        expected = (probs / -torch.log(uniform)).argmax(dim=-1)
+        assert sample(logits, rows, positions=positions).tolist() == expected.tolist()
