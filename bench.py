@@ -6,6 +6,7 @@
     python bench.py --checkpoint DIR --quant int4 --compare llama.cpp --gguf FILE.gguf
     python bench.py --paged                      (the engine on its paged cache too, side by side)
     python bench.py --as-user [--trials 3]       (generate.py's default command in fresh processes, cold and warm, beside llama.cpp)
+    python bench.py --profile [--checkpoint DIR] (where one decode step's time goes, compiled and eager)
     python bench.py --speculate [--new-tokens 256] (speculative decoding on code-copying and free-text prompts, beside llama.cpp's prompt lookup)
     python bench.py --workload 64 [--workload-prompt-len 32-1024] [--workload-new-tokens 64-512] [--max-batch 8]
     python bench.py --workload 32 --serve        (serve.py under that load over HTTP: all at once, one at a time)
@@ -57,6 +58,7 @@ from benchmark.parallel import measure_ranks, print_ranks, ranks_json
 from benchmark.memory import gguf_traffic
 from benchmark.report import Report, figures, print_report
 from benchmark.prefix_reuse import add_prefix_reuse_args, run_prefix_reuse
+from benchmark.step_profile import run_profile
 from benchmark.serving import measure_serving, print_serving, random_requests, serving_json
 from benchmark.sweep import plot_sweep, print_sweep
 from benchmark.systems import load_engine, load_llama_cpp, load_transformers
@@ -104,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time generate.py's default command on the bundled model as a user runs it: fresh processes, wall time from start to exit, "
         "a cold and a warm compile cache and eager, beside llama.cpp on the same GGUF file when llama-cpp-python is installed (benchmark/as_user.py)",
     )
+    p.add_argument("--profile", action="store_true", help="where one decode step's time goes, by kind of op, compiled and eager (benchmark/step_profile.py)")
     s = p.add_argument_group("speculative decoding (benchmark/speculation.py)")
     s.add_argument("--speculate", action="store_true", help="prompt lookup against plain decoding, and llama.cpp's with and without its own, on HumanEval chat prompts")
     s.add_argument("--speculate-prompts", type=int, default=3, metavar="N", help="--speculate: prompts of each kind (HumanEval problems 0..N-1)")
@@ -237,6 +240,9 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.speculate:
         run_speculation(args)
+        return
+    if args.profile:
+        run_profile(args, lambda vocab_size: random_prompts(vocab_size, 1, args.prompt_len or 128)[0])
         return
     if args.prefix_reuse:
         run_prefix_reuse(args)
