@@ -15,6 +15,7 @@ from engine.compile import Compiled
 from engine.cuda_graph import Graph
 from engine.generation import Eager, GenerationResult, OnTokens, Session, check_lengths, run
 from engine.sampling import RowSampling, SamplingConfig
+from engine.saved_step import Saved
 from engine.speculative import Speculation, speculate
 from errors import UserError
 from kv.cache import KVCache
@@ -70,7 +71,10 @@ def open_session(
     """A session of `batch` rows of up to n_slots slots, made as the options say."""
     runner = new_runner(model, options)
     cache = new_cache(model, batch, n_slots, options)
-    return Session(model, cache, eos_ids=eos_ids, sampling=sampling, policy=new_policy(model, cache, options), runner=runner)
+    policy = new_policy(model, cache, options)
+    if isinstance(runner, Compiled) and model.device.type == "cpu" and type(cache) is KVCache and policy is None and options.speculation is None and type(model) is Transformer:
+        runner = Saved()  # the plain step on CPU: a package saved once, loaded in milliseconds (engine/saved_step.py)
+    return Session(model, cache, eos_ids=eos_ids, sampling=sampling, policy=policy, runner=runner)
 
 
 def generate(

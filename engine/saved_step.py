@@ -1,0 +1,124 @@
+"""The compiled decode step saved as a package (AOTInductor), for a plain run on CPU.
+
+torch.compile's groups (engine/compile.py) are found again in every new process by tracing the
+step and loading inductor's cached code, and every call into them passes through dynamo's cache
+lookup. Here a group of blocks is exported once (torch.export), compiled ahead of time into a
+package in inductor's cache folder, and loaded by a later process in milliseconds; a call goes
+straight into the compiled code.
+
+The package takes its blocks' weights as inputs, so that one package serves every group of one
+structure, and each layer's whole cache buffer [B, H_kv, S, D]: it writes the new keys and values
+into it and reads the first n slots, n being the mask's length. S and n are variables of the
+compiled code; the batch, the dtype and the weights' shapes are part of the package's name.
+
+It serves the plain cache (a float KVCache, no KV policy, one process); engine/options.py picks it
+and falls back to torch.compile's groups for everything else.
+"""
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._inductor.runtime.runtime_utils import cache_dir
+from torch.export import Dim, export
+
+from engine.compile import block_structure, group_size
+from engine.cpu import inductor_options
+from engine.decode import StepState
+from kv.cache import RowsView
+from models.transformer import Block, BlockGroups, LayerInputs, LayerKV, Transformer, run_blocks
+
+
+class GroupOfBlocks(nn.Module):
+    """Consecutive blocks over whole cache buffers: what a package computes."""
+
+    def __init__(self, blocks: list[Block]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x, cos, sin, slots, mask, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        n = mask.shape[-1]  # slots read
+        kvs = [RowsView(k[:, :, :n], v[:, :, :n]) for k, v in zip(keys, values)]
+        return run_blocks(list(self.blocks), x, LayerInputs(cos, sin, slots, mask), kvs)
+
+
+class WeightsAsInputs(nn.Module):
+    """A group whose weights are inputs, not constants of the graph: one package for every group alike."""
+
+    def __init__(self, group: GroupOfBlocks):
+        super().__init__()
+        object.__setattr__(self, "group", group)  # not a submodule: its weights must not become the package's constants
+        self.names = weight_names(group)
+
+    def forward(self, x, cos, sin, slots, mask, keys, values, weights):
+        with torch.nn.utils.stateless._reparametrize_module(self.group, dict(zip(self.names, weights))):
+            return self.group.forward(x, cos, sin, slots, mask, keys, values)  # forward, not the call, which export would trace as a submodule's
+
+
+def weight_names(group: GroupOfBlocks) -> list[str]:
+    return [name for name, _ in group.named_parameters()] + [name for name, _ in group.named_buffers()]
+
+
+def whole_buffer(view: torch.Tensor) -> torch.Tensor:
+    """A layer's whole buffer [B, H_kv, S, D] from the view of its first slots [B, H_kv, n, D]
+    (the plain cache's layers: each one a contiguous part of the [L, ...] buffer)."""
+    B, H, _, D = view.shape
+    return view.as_strided((B, H, view.stride(1) // D, D), view.stride())
+
+
+def package_path(blocks: list[Block], batch: int, dtype: torch.dtype, options: dict[str, object]) -> Path:
+    """Where the package of this structure lives: inductor's cache folder, named by everything the
+    compiled code depends on (the torch version and the CPU kernels' width included)."""
+    identity = repr((torch.__version__, [block_structure(b) for b in blocks], batch, dtype, sorted(options.items())))
+    return Path(cache_dir()) / "saved_steps" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pt2"
+
+
+def build_package(path: Path, blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, keys: list[torch.Tensor], options: dict[str, object], max_slots: int) -> None:
+    """Export the group on copies of its inputs (a session's tensors are inference tensors) and compile it."""
+    with torch.inference_mode(False), torch.no_grad():
+        group = GroupOfBlocks(blocks)
+        weights = [dict(group.named_parameters(), **dict(group.named_buffers()))[name].clone() for name in weight_names(group)]
+        example = (x.clone(), inputs.cos.clone(), inputs.sin.clone(), inputs.write_slots.clone(), inputs.mask.clone(), [k.clone() for k in keys], [k.clone() for k in keys], weights)
+        n, s = Dim("slots_read", min=2, max=max_slots), Dim("slots", min=2, max=max_slots)
+        shapes = (None, None, None, None, {3: n}, [{2: s}] * len(keys), [{2: s}] * len(keys), [None] * len(weights))
+        program = export(WeightsAsInputs(group), example, dynamic_shapes=shapes, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))  # a copy: it adds its own
+
+
+def saved_blocks(model: Transformer) -> BlockGroups:
+    """The model's blocks run by packages: built on the first call of a structure unless saved, then loaded."""
+    structures = [block_structure(block) for block in model.layers]
+    size = group_size(structures)
+    options = {k: v for k, v in inductor_options(model.device, tensor_parallel=False).items() if k != "cpp_wrapper"}
+    runners: dict[Path, object] = {}
+    groups: dict[int, tuple[Path, list[torch.Tensor]]] = {}  # by its first block: the group's package and weights
+
+    def run(blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, kvs: list[LayerKV]) -> torch.Tensor:
+        keys, values = [whole_buffer(kv.k) for kv in kvs], [whole_buffer(kv.v) for kv in kvs]
+        if id(blocks[0]) not in groups:
+            group = GroupOfBlocks(blocks)
+            tensors = dict(group.named_parameters(), **dict(group.named_buffers()))
+            groups[id(blocks[0])] = package_path(blocks, x.shape[0], x.dtype, options), [tensors[name] for name in weight_names(group)]
+        path, weights = groups[id(blocks[0])]
+        if path not in runners:
+            if not path.is_file():
+                build_package(path, blocks, x, inputs, keys, options, model.config.max_position_embeddings)
+            with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):  # as compiled: no probe programs (engine/cpu.py)
+                runners[path] = torch._inductor.aoti_load_package(str(path))
+        return runners[path](x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, keys, values, weights)
+
+    return BlockGroups(run, size)
+
+
+class Saved:
+    """The runner whose step runs saved packages of blocks, reading only the slots in use."""
+
+    builds = True
+    whole_cache = False
+    graph = False
+
+    def build(self, model: Transformer, step, state: StepState, advanced: list[torch.Tensor]):
+        state.blocks = saved_blocks(model)
+        return step

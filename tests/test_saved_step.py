@@ -1,0 +1,45 @@
+"""The decode step saved as an AOTInductor package (engine/saved_step.py): the eager tokens, one
+package per structure of blocks, and a later session that loads it instead of building it."""
+
+import torch
+
+import engine.saved_step as saved_step
+from engine.options import RunOptions, generate, open_session
+from engine.saved_step import Saved
+from kv.cache import KVCache
+from weights.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_the_saved_step_gives_the_eager_tokens_and_is_built_once(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(saved_step, "cache_dir", lambda: str(tmp_path))
+    built = []
+    build = saved_step.build_package
+    monkeypatch.setattr(saved_step, "build_package", lambda path, *rest: built.append(path) or build(path, *rest))
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    prompts = prompts_of([9, 30, 17], seed=1)
+
+    eager = generate(model, prompts, 12, eos_ids=frozenset())
+    first = generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True))
+    assert first.tokens == eager.tokens
+    assert len(built) == 1 and built[0].is_file()  # every group of the model runs the one package
+
+    # A new session, of another cache size and prompt lengths: the package is loaded, not built.
+    later = generate(model, prompts_of([5, 40, 3], seed=2), 20, eos_ids=frozenset(), options=RunOptions(compile=True))
+    assert later.tokens == generate(model, prompts_of([5, 40, 3], seed=2), 20, eos_ids=frozenset()).tokens
+    assert len(built) == 1
+
+
+def test_only_the_plain_step_is_saved(tiny_checkpoint):
+    """A cache of another kind or a KV policy keeps torch.compile's groups, which serve them all."""
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    plain = open_session(model, 1, 32, RunOptions(compile=True), eos_ids=frozenset())
+    assert isinstance(plain.runner, Saved) and type(plain.cache) is KVCache
+    quantized = open_session(model, 1, 32, RunOptions(compile=True, kv_dtype="int8"), eos_ids=frozenset())
+    assert not isinstance(quantized.runner, Saved)
