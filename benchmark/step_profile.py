@@ -1,10 +1,10 @@
 """Where a decode step's time goes (bench.py --profile): torch.profiler over the steps of one run,
 after warm-up steps, each op's own time (its self time) put in one of a few kinds by its name.
 
-The compiled groups run inductor's kernels from C++ host code (engine/cpu.py): the profiler sees
-each group's call as one event, whose own time is its fused kernels (norms, RoPE, attention,
-SiLU, and any product inductor generates itself), while the products it hands to torch's kernels
-show as those ops. The host's own time (Python, the token loop, what no op accounts for) is the
+The compiled groups run inductor's kernels from C++ host code (engine/cpu.py), or a saved
+package's (engine/saved_step.py): the profiler sees each group's call as one event, whose own
+time is its fused kernels (norms, RoPE, attention, SiLU, and any product inductor generates
+itself), while the products it hands to torch's kernels show as those ops. The host's own time (Python, the token loop, what no op accounts for) is the
 profiler's step event's. The profiler adds to every op, so the kinds sum to more than the step
 timed without it: the shares are of that sum.
 """
@@ -32,7 +32,7 @@ KINDS = (
     ("4-bit products", ("_weight_int4pack_mm",)),
     ("8-bit products", ("_weight_int8pack_mm",)),
     ("16/32-bit products", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn")),
-    ("compiled kernels", ("CompiledFxGraph", "cpp_fused", "inductor")),
+    ("compiled kernels", ("CompiledFxGraph", "cpp_fused", "inductor", "saved step")),
     ("compile's calls (dynamo)", ("Dynamo", "Torch-Compiled Region", "CompiledFunction", "Pregraph bytecode", "AOTDispatcher")),
     ("attention (eager)", ("scaled_dot_product",)),
     ("host (Python, the token loop)", ("ProfilerStep",)),

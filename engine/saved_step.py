@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._inductor.runtime.runtime_utils import cache_dir
-from torch.export import Dim, export
 
 from engine.compile import block_structure, group_size
 from engine.cpu import inductor_options
@@ -71,11 +69,19 @@ def package_path(blocks: list[Block], batch: int, dtype: torch.dtype, options: d
     """Where the package of this structure lives: inductor's cache folder, named by everything the
     compiled code depends on (the torch version and the CPU kernels' width included)."""
     identity = repr((torch.__version__, [block_structure(b) for b in blocks], batch, dtype, sorted(options.items())))
-    return Path(cache_dir()) / "saved_steps" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pt2"
+    return Path(inductor_cache()) / "saved_steps" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pt2"
+
+
+def inductor_cache() -> str:
+    from torch._inductor.runtime.runtime_utils import cache_dir  # inductor, imported by a compiled run only (a second)
+
+    return cache_dir()
 
 
 def build_package(path: Path, blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, keys: list[torch.Tensor], options: dict[str, object], max_slots: int) -> None:
     """Export the group on copies of its inputs (a session's tensors are inference tensors) and compile it."""
+    from torch.export import Dim, export
+
     with torch.inference_mode(False), torch.no_grad():
         group = GroupOfBlocks(blocks)
         weights = [dict(group.named_parameters(), **dict(group.named_buffers()))[name].clone() for name in weight_names(group)]
@@ -107,7 +113,8 @@ def saved_blocks(model: Transformer) -> BlockGroups:
                 build_package(path, blocks, x, inputs, keys, options, model.config.max_position_embeddings)
             with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):  # as compiled: no probe programs (engine/cpu.py)
                 runners[path] = torch._inductor.aoti_load_package(str(path))
-        return runners[path](x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, keys, values, weights)
+        with torch.profiler.record_function("saved step"):  # the package's kernels, one event for a profile (bench.py --profile)
+            return runners[path](x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, keys, values, weights)
 
     return BlockGroups(run, size)
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from engine.generation import Session, run
 from engine.options import RunOptions, generate
+from kv.cache import KVCache
 from engine.sampling import SamplingConfig
 from errors import UserError
 from weights.forms import load_model
@@ -50,8 +52,9 @@ def test_compiled_step_with_fullgraph_equals_eager(tiny_checkpoint):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, monkeypatch):
-    """Regional compilation: with one block per group, both layers run the code compiled for the
-    first (their weights and cache layers are the graph's inputs), and give the eager tokens."""
+    """Regional compilation (torch.compile's runner, which every cache kind but the plain one takes):
+    with one block per group, both layers run the code compiled for the first (their weights and
+    cache layers are the graph's inputs), and give the eager tokens."""
     import engine.compile
     from torch._dynamo.utils import counters
 
@@ -63,7 +66,8 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
     eager = generate(model, prompts, 12, eos_ids=frozenset()).tokens
     torch._dynamo.reset()
     counters.clear()
-    assert generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
+    cache = KVCache.allocate(model.config, len(prompts), 9 + 12, torch.float32, CPU)
+    assert run(Session(model, cache, eos_ids=frozenset(), runner=engine.compile.Compiled()), prompts, 12).tokens == eager
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -105,13 +109,16 @@ def test_layers_of_two_structures_compile_to_a_graph_each_and_give_the_eager_tok
 
 
 def test_runs_of_different_lengths_share_one_compiled_step(tiny_checkpoint):
+    """torch.compile's runner (engine/saved_step.py's package has its own test)."""
     from torch._dynamo.utils import counters
+    from engine.compile import Compiled
 
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     torch._dynamo.reset()
     counters.clear()
     for prompts, new_tokens in ((prompts_of([7], seed=7), 10), (prompts_of([30], seed=8), 25)):
-        result = generate(model, prompts, new_tokens, eos_ids=frozenset(), options=RunOptions(compile=True))
+        cache = KVCache.allocate(model.config, 1, len(prompts[0]) + new_tokens, torch.float32, CPU)
+        result = run(Session(model, cache, eos_ids=frozenset(), runner=Compiled()), prompts, new_tokens)
         assert result.tokens == generate(model, prompts, new_tokens, eos_ids=frozenset()).tokens
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -191,7 +198,9 @@ import sys, torch
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from tests.test_engine import prompts_of
+from engine.generation import Session, run
 from engine.options import RunOptions, generate
+from kv.cache import KVCache
 from weights.forms import load_model
 model = load_model(Path(sys.argv[3]), torch.float32, torch.device("cpu"))
 prompts = prompts_of([7, 19, 3], seed=2)

@@ -18,7 +18,7 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 def test_the_saved_step_gives_the_eager_tokens_and_is_built_once(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(saved_step, "cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(saved_step, "inductor_cache", lambda: str(tmp_path))
     built = []
     build = saved_step.build_package
     monkeypatch.setattr(saved_step, "build_package", lambda path, *rest: built.append(path) or build(path, *rest))
