@@ -25,8 +25,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # How long a collective waits for the other ranks before it fails: long enough for the slowest
 # rank's first torch.compile, short enough that a dead or stuck rank ends the run.
 DEFAULT_RANK_TIMEOUT_S = 600
-COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers); --no-compile runs eager"
-COMPILE_FROM_TOKENS = 512  # from this many tokens a compiled step repays its warm start (docs/performance.md)
+COMPILE_NOTICE = "compiling the decode step (a group of transformer blocks, reused by every group of layers; later runs load it); --no-compile runs eager"
+# From this many tokens a compiled step repays its warm start (docs/performance.md): the plain
+# step's saved package loads in a fraction of a second, torch.compile's groups in seconds.
+SAVED_STEP_FROM_TOKENS = 32
+COMPILE_FROM_TOKENS = 512
 DTYPE_HELP = (
     "activations and KV cache. auto: bfloat16 with quantized weights, the bundled model's included, on every CPU kind "
     "(torch's int4 product with float32 activations is 4-27x slower on CPU; docs/performance.md); else the checkpoint's dtype, "
@@ -119,12 +122,13 @@ def add_paging_args(p: argparse.ArgumentParser, paged_help: str) -> None:
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", help="continuous batching: prefill every prompt whole (default: a prompt takes the cached blocks it begins with)")
 
 
-def compile_pays(device: torch.device, tokens: int | None) -> bool:
+def compile_pays(device: torch.device, tokens: int | None, saved: bool) -> bool:
     """Whether generate.py compiles the decode step when neither --compile nor --no-compile is
-    given: on CPU, for a chat (many answers on one session) or a run that may make
-    COMPILE_FROM_TOKENS tokens or more, past which the milliseconds saved per token repay the
-    compile's seconds (docs/performance.md); on CUDA the CUDA graph does its job."""
-    return device.type == "cpu" and (tokens is None or tokens >= COMPILE_FROM_TOKENS)
+    given: on CPU, for a chat (many answers on one session) or a run that may make enough tokens
+    that the milliseconds saved per token repay loading the compiled step: SAVED_STEP_FROM_TOKENS
+    where the saved package serves the run (saved: the plain cache, engine/saved_step.py),
+    COMPILE_FROM_TOKENS where torch.compile's groups do. On CUDA the CUDA graph does its job."""
+    return device.type == "cpu" and (tokens is None or tokens >= (SAVED_STEP_FROM_TOKENS if saved else COMPILE_FROM_TOKENS))
 
 
 def pick_device(name: str) -> torch.device:

@@ -181,7 +181,7 @@ def chat_context(args: argparse.Namespace, model) -> int:
     return context
 
 
-def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, sampling: SamplingConfig, options) -> None:
+def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, sampling: SamplingConfig, options, notice: CompileNotice) -> None:
     """The interactive loop: one user message per line of stdin; /reset, /exit; Ctrl-C stops an answer."""
     if not tokenizer.has_chat_template:
         raise UserError("--interactive needs a checkpoint with a chat template; give a prompt instead")
@@ -189,7 +189,6 @@ def chat(args: argparse.Namespace, model, tokenizer: Tokenizer, sampling: Sampli
         raise UserError("--interactive is a chat over the chat template; drop --no-chat")
     session = open_session(model, 1, chat_context(args, model), options or RunOptions(), eos_ids=tokenizer.eos_ids, sampling=sampling)
     conversation = Conversation(session, tokenizer, args.system, model.config.max_position_embeddings)
-    notice = CompileNotice(args.compile)  # one session for the whole chat: its first answer compiles
     print(f"chat: {session.cache.n_slots} cache slots; /reset starts over, /exit or end of input leaves, Ctrl-C stops an answer", file=sys.stderr)
     while True:
         print("> ", end="", file=sys.stderr, flush=True)

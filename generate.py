@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from cli import (
-    COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, SAMPLING_FIELDS, AnswerText, CompileNotice, add_compression_args, add_paging_args, add_parallel_args,
+    COMPILE_FROM_TOKENS, DTYPE_HELP, DTYPES, SAMPLING_FIELDS, SAVED_STEP_FROM_TOKENS, AnswerText, CompileNotice, add_compression_args, add_paging_args, add_parallel_args,
     add_quant_args, answer_eos, checkpoint_and_quant, compile_pays, compression_config, launched_ranks, pick_device, pick_dtype, sampling_with,
 )
-from engine.generation import GenerationResult, generate
+from engine.generation import Eager, GenerationResult, Runner, generate
 from engine.sampling import SamplingConfig
 from errors import UserError, run_command
 from weights.generation_config import sampling_defaults
@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the decode step, a group of transformer blocks compiled once and reused by every group of layers "
-        f"(default: on CPU, for a chat or a run of {COMPILE_FROM_TOKENS} tokens or more, prompts x --max-new-tokens: "
-        "the first run compiles, about 13 s, later ones load it from inductor's on-disk cache, about 2.5 s; --no-compile: eager)",
+        f"(default: on CPU, for a chat or a run of {SAVED_STEP_FROM_TOKENS} tokens or more, prompts x --max-new-tokens, "
+        f"{COMPILE_FROM_TOKENS} with a KV policy or a quantized or paged cache; the first run on a machine compiles, "
+        "later ones load the saved step, under a second, or torch.compile's from inductor's cache, about 2.5 s; --no-compile: eager)",
     )
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None, help="capture the decode step as a CUDA graph and replay it (default: on with CUDA)")
     add_quant_args(p)
@@ -178,11 +179,11 @@ def run(args: argparse.Namespace) -> None:
         run_on(args, tp, device)
 
 
-def uses_features(args: argparse.Namespace, device: torch.device, cuda_graph: bool) -> bool:
-    """Whether the run needs more than the plain engine (a contiguous float cache, an eager step)."""
+def asks_for_features(args: argparse.Namespace) -> bool:
+    """Whether the options ask for more than the plain cache and step: a KV policy or store, a
+    quantized or paged cache, continuous batching, speculation."""
     asked = compression_config(args).enabled or args.kv_store or args.kv_dtype != "auto" or args.paged or args.max_batch is not None
-    asked = asked or args.block_size is not None or args.kv_blocks is not None or args.speculate is not None
-    return bool(asked or args.compile or cuda_graph or device.type == "cuda")
+    return bool(asked or args.block_size is not None or args.kv_blocks is not None or args.speculate is not None)
 
 
 def run_on(args: argparse.Namespace, tp, device: torch.device) -> None:
@@ -209,32 +210,39 @@ def run_on(args: argparse.Namespace, tp, device: torch.device) -> None:
         model = load_quantized(checkpoint, dtype, device, quant, args.group_size)
     else:
         model = load_model(checkpoint, dtype, device)
+    saved = tp is None and device.type == "cpu" and not asks_for_features(args)  # the plain cache: the saved step serves it
     if args.compile is None:
-        args.compile = compile_pays(device, None if prompts is None else len(prompts) * args.max_new_tokens)
+        args.compile = compile_pays(device, None if prompts is None else len(prompts) * args.max_new_tokens, saved)
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-    plain = tp is None and prompts is not None and args.max_batch is None and not uses_features(args, device, cuda_graph)
+    plain = saved and prompts is not None and not cuda_graph
     with torch.inference_mode():
+        runner, compiles = Eager(), bool(args.compile)
+        if args.compile and saved:  # the plain cache's compiled step: built once per machine, then loaded
+            from engine.saved_step import Saved, saved_already
+
+            runner, compiles = Saved(), not saved_already(model, 1 if prompts is None else len(prompts))
+        notice = CompileNotice(compiles)
         if plain:
-            answer(args, model, tokenizer, prompts, sampling, None)
+            answer(args, model, tokenizer, prompts, sampling, None, runner, notice)
             return
         from cli_features import answer_continuously, chat, feature_options  # the features, only when asked for
 
         options = feature_options(args, checkpoint, model, tp, dtype, cuda_graph)
         if prompts is None:
-            chat(args, model, tokenizer, sampling, options)
+            chat(args, model, tokenizer, sampling, options, notice)
         elif args.max_batch is not None:
             answer_continuously(args, model, tokenizer, prompts, sampling, options)
         else:
-            answer(args, model, tokenizer, prompts, sampling, options)
+            answer(args, model, tokenizer, prompts, sampling, options, None, notice)
 
 
-def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, options) -> None:
+def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling: SamplingConfig, options, runner: Runner | None, notice: CompileNotice) -> None:
     """One run over a batch of prompts: a single answer streams, a batch prints once complete.
-    options: the run's features (engine.options.RunOptions), None for the plain engine."""
+    options: the run's features (engine.options.RunOptions), or None for the plain engine, whose
+    step runs as the runner says."""
     texts = [AnswerText(tokenizer, args.stop) for _ in prompts]
     streaming = len(prompts) == 1
-    notice = CompileNotice(args.compile)
 
     def on_tokens(news: dict[int, int | None]) -> list[int]:
         notice()
@@ -246,7 +254,7 @@ def answer(args, model, tokenizer: Tokenizer, prompts: list[list[int]], sampling
         return [row for row in news if texts[row].stopped]
 
     if options is None:
-        result = generate(model, prompts, args.max_new_tokens, eos_ids=answer_eos(args, tokenizer), sampling=sampling, on_tokens=on_tokens)
+        result = generate(model, prompts, args.max_new_tokens, eos_ids=answer_eos(args, tokenizer), sampling=sampling, on_tokens=on_tokens, runner=runner)
     else:
         from engine import options as features
 

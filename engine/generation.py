@@ -291,10 +291,11 @@ def run(session: Session, prompts: list[list[int]], max_new_tokens: int, on_toke
 
 def generate(
     model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, eos_ids: frozenset[int], sampling: SamplingConfig = SamplingConfig(),
-    on_tokens: OnTokens | None = None,
+    on_tokens: OnTokens | None = None, runner: Runner = Eager(),
 ) -> GenerationResult:
-    """Generate for a batch of prompts (any lengths) on the plain cache, eager: each row holds its
-    prompt and max_new_tokens slots. engine/options.py's generate runs the same loop with features."""
+    """Generate for a batch of prompts (any lengths) on the plain cache: each row holds its prompt
+    and max_new_tokens slots; the step runs as the runner says (eager by default).
+    engine/options.py's generate runs the same loop with features."""
     check_lengths(model, prompts, max_new_tokens)
     cache = KVCache.allocate(model.config, len(prompts), max(map(len, prompts)) + max_new_tokens, model.dtype, model.device)
-    return run(Session(model, cache, eos_ids=eos_ids, sampling=sampling), prompts, max_new_tokens, on_tokens)
+    return run(Session(model, cache, eos_ids=eos_ids, sampling=sampling, runner=runner), prompts, max_new_tokens, on_tokens)

@@ -15,13 +15,17 @@ It serves the plain cache (a float KVCache, no KV policy, one process); engine/o
 and falls back to torch.compile's groups for everything else.
 """
 
+import getpass
 import hashlib
+import os
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.compile import block_structure, group_size
+from engine.block_groups import block_structure, group_size
 from engine.cpu import inductor_options
 from engine.decode import StepState
 from kv.cache import RowsView
@@ -73,16 +77,23 @@ def package_path(blocks: list[Block], batch: int, dtype: torch.dtype, options: d
 
 
 def inductor_cache() -> str:
-    from torch._inductor.runtime.runtime_utils import cache_dir  # inductor, imported by a compiled run only (a second)
+    """Inductor's cache folder, found as torch finds it but without importing inductor (a second),
+    which a run that loads its packages never needs."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
 
-    return cache_dir()
+
+def load_package(path: Path):
+    """The package's compiled code, through torch's C++ loader: inductor's Python wrapper would
+    import inductor and parse the call's input layout again at every call."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
 def build_package(path: Path, blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, keys: list[torch.Tensor], options: dict[str, object], max_slots: int) -> None:
     """Export the group on copies of its inputs (a session's tensors are inference tensors) and compile it."""
     from torch.export import Dim, export
 
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated")  # raised inside torch's own export (2.13), nothing for the user to do
         group = GroupOfBlocks(blocks)
         weights = [dict(group.named_parameters(), **dict(group.named_buffers()))[name].clone() for name in weight_names(group)]
         example = (x.clone(), inputs.cos.clone(), inputs.sin.clone(), inputs.write_slots.clone(), inputs.mask.clone(), [k.clone() for k in keys], [k.clone() for k in keys], weights)
@@ -93,11 +104,22 @@ def build_package(path: Path, blocks: list[Block], x: torch.Tensor, inputs: Laye
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))  # a copy: it adds its own
 
 
+def package_options(model: Transformer) -> dict[str, object]:
+    return {k: v for k, v in inductor_options(model.device, tensor_parallel=False).items() if k != "cpp_wrapper"}
+
+
+def saved_already(model: Transformer, batch: int) -> bool:
+    """Whether every group of the model's blocks has its package saved for this batch: a run then
+    loads its compiled step and compiles nothing."""
+    size = group_size([block_structure(block) for block in model.layers])
+    groups = [list(model.layers[first : first + size]) for first in range(0, len(model.layers), size)]
+    return all(package_path(blocks, batch, model.dtype, package_options(model)).is_file() for blocks in groups)
+
+
 def saved_blocks(model: Transformer) -> BlockGroups:
     """The model's blocks run by packages: built on the first call of a structure unless saved, then loaded."""
-    structures = [block_structure(block) for block in model.layers]
-    size = group_size(structures)
-    options = {k: v for k, v in inductor_options(model.device, tensor_parallel=False).items() if k != "cpp_wrapper"}
+    size = group_size([block_structure(block) for block in model.layers])
+    options = package_options(model)
     runners: dict[Path, object] = {}
     groups: dict[int, tuple[Path, list[torch.Tensor]]] = {}  # by its first block: the group's package and weights
 
@@ -111,10 +133,10 @@ def saved_blocks(model: Transformer) -> BlockGroups:
         if path not in runners:
             if not path.is_file():
                 build_package(path, blocks, x, inputs, keys, options, model.config.max_position_embeddings)
-            with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):  # as compiled: no probe programs (engine/cpu.py)
-                runners[path] = torch._inductor.aoti_load_package(str(path))
+            runners[path] = load_package(path)
         with torch.profiler.record_function("saved step"):  # the package's kernels, one event for a profile (bench.py --profile)
-            return runners[path](x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, keys, values, weights)
+            # The inputs in the order export flattened them.
+            return runners[path].boxed_run([x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, *keys, *values, *weights])[0]
 
     return BlockGroups(run, size)
 

@@ -88,12 +88,18 @@ def test_a_checkpoint_saved_quantized_runs_with_bfloat16_activations(tiny_checkp
 
 
 @pytest.mark.parametrize(
-    ("device", "tokens", "compiled"),
-    [("cpu", 256, False), ("cpu", 511, False), ("cpu", 512, True), ("cpu", 8 * 256, True), ("cpu", None, True), ("cuda", 4096, False)],
+    ("device", "tokens", "saved", "compiled"),
+    [
+        ("cpu", 2, True, False), ("cpu", 31, True, False), ("cpu", 32, True, True), ("cpu", 256, True, True),
+        ("cpu", 256, False, False), ("cpu", 511, False, False), ("cpu", 512, False, True), ("cpu", 8 * 256, False, True),
+        ("cpu", None, True, True), ("cpu", None, False, True), ("cuda", 4096, False, False),
+    ],
 )
-def test_generate_compiles_by_default_where_it_pays(device, tokens, compiled):
-    """On CPU a chat (tokens None) or a run of 512 tokens or more; on CUDA the graph does the job."""
-    assert cli.compile_pays(torch.device(device), tokens) is compiled
+def test_generate_compiles_by_default_where_it_pays(device, tokens, saved, compiled):
+    """On CPU a chat (tokens None), or a run of 32 tokens or more where the saved step serves it
+    (it loads in a fraction of a second), 512 where torch.compile's groups do; on CUDA the graph
+    does the job."""
+    assert cli.compile_pays(torch.device(device), tokens, saved) is compiled
 
 
 def test_compile_flags_override_the_default():
@@ -102,12 +108,26 @@ def test_compile_flags_override_the_default():
     assert generate.parse_args(["x", "--compile"]).compile is True
 
 
-def test_a_long_run_compiles_by_default_and_says_so(chat_checkpoint, capsys, tmp_path):
+def test_a_plain_run_compiles_by_default_says_so_once_and_later_runs_load_it(chat_checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a new machine's empty cache
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello\nand goodbye\n")  # 2 prompts x 300 tokens: 600 >= 512
-    code = generate.main(["--checkpoint", str(chat_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "300", "--ignore-eos", "--temperature", "0"])
-    notice, summary = capsys.readouterr().err.splitlines()
-    assert code == 0 and notice == cli.COMPILE_NOTICE and "| new tokens: 600 |" in summary and "| compile: " in summary
+    prompts.write_text("hello\nand goodbye\n")  # 2 prompts x 20 tokens: 40 >= 32
+    argv = ["--checkpoint", str(chat_checkpoint), "--prompt-file", str(prompts), "--max-new-tokens", "20", "--ignore-eos", "--temperature", "0"]
+    code = generate.main(argv)
+    first = capsys.readouterr()
+    notice, summary = first.err.splitlines()
+    assert code == 0 and notice == cli.COMPILE_NOTICE and "| new tokens: 40 |" in summary and "| compile: " in summary
+    assert list((tmp_path / "inductor" / "saved_steps").glob("*.pt2"))
+
+    code = generate.main(argv)
+    later = capsys.readouterr()
+    assert code == 0 and later.out == first.out and len(later.err.splitlines()) == 1  # loaded: nothing said about compiling
+    assert later.out == generate_eager(argv, capsys)
+
+
+def generate_eager(argv: list[str], capsys) -> str:
+    assert generate.main([*argv, "--no-compile"]) == 0
+    return capsys.readouterr().out
 
 
 @pytest.mark.real

@@ -55,10 +55,11 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
     """Regional compilation (torch.compile's runner, which every cache kind but the plain one takes):
     with one block per group, both layers run the code compiled for the first (their weights and
     cache layers are the graph's inputs), and give the eager tokens."""
+    import engine.block_groups
     import engine.compile
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(engine.compile, "BLOCKS_PER_GROUP", 1)
+    monkeypatch.setattr(engine.block_groups, "BLOCKS_PER_GROUP", 1)
     model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU)
     groups, one_graph = engine.compile.compile_blocks(model)
     assert len(model.layers) == 2 and groups.size == 1 and one_graph
@@ -82,7 +83,7 @@ def test_one_compiled_graph_serves_every_group_of_blocks(kind, tiny_checkpoint, 
     ],
 )
 def test_the_groups_split_the_layers_evenly_into_the_fewest_graphs(layers, size):
-    from engine.compile import group_size
+    from engine.block_groups import group_size
 
     assert group_size(list(layers)) == size
 
@@ -92,10 +93,11 @@ def test_layers_of_two_structures_compile_to_a_graph_each_and_give_the_eager_tok
     """A GGUF file with mixed block types (Q4_K_M) imports some layers' matrices as int8 and the
     others' as int4. Every step must run each layer's own graph: the steps after the first once
     skipped the guards that choose between them, and failed."""
+    import engine.block_groups
     import engine.compile
     from models.quantized import quantize_int8, quantized_linear
 
-    monkeypatch.setattr(engine.compile, "BLOCKS_PER_GROUP", 1)  # one block per group: a group of each structure
+    monkeypatch.setattr(engine.block_groups, "BLOCKS_PER_GROUP", 1)  # one block per group: a group of each structure
     model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU, "int4", 32)  # float32: the same tokens, not only close ones
     mlp = model.layers[1].mlp
     weight = torch.randn(mlp.w_down.out_features, mlp.w_down.in_features, generator=torch.Generator().manual_seed(3)) * 0.05

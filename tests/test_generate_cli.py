@@ -35,7 +35,8 @@ def transformers_answer(folder: Path, messages: list[dict] | None, text: str | N
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpoint, capsys):
+def test_chat_answer_equals_transformers_and_summary_goes_to_stderr(chat_checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # an empty cache: the step compiles, and says so
     code, out, err = run_main(
         capsys, "--checkpoint", str(chat_checkpoint), "--prompt", "Tell me about the fox 🦊", "--system", "Be brief.", "--max-new-tokens", "24",
         "--dtype", "float32", "--temperature", "0", "--compile",

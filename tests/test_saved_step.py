@@ -1,6 +1,11 @@
 """The decode step saved as an AOTInductor package (engine/saved_step.py): the eager tokens, one
 package per structure of blocks, and a later session that loads it instead of building it."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 import engine.saved_step as saved_step
@@ -26,9 +31,11 @@ def test_the_saved_step_gives_the_eager_tokens_and_is_built_once(tiny_checkpoint
     prompts = prompts_of([9, 30, 17], seed=1)
 
     eager = generate(model, prompts, 12, eos_ids=frozenset())
+    assert not saved_step.saved_already(model, len(prompts))
     first = generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(compile=True))
     assert first.tokens == eager.tokens
     assert len(built) == 1 and built[0].is_file()  # every group of the model runs the one package
+    assert saved_step.saved_already(model, len(prompts)) and not saved_step.saved_already(model, 2)
 
     # A new session, of another cache size and prompt lengths: the package is loaded, not built.
     later = generate(model, prompts_of([5, 40, 3], seed=2), 20, eos_ids=frozenset(), options=RunOptions(compile=True))
@@ -43,3 +50,20 @@ def test_only_the_plain_step_is_saved(tiny_checkpoint):
     assert isinstance(plain.runner, Saved) and type(plain.cache) is KVCache
     quantized = open_session(model, 1, 32, RunOptions(compile=True, kv_dtype="int8"), eos_ids=frozenset())
     assert not isinstance(quantized.runner, Saved)
+
+
+def test_a_new_process_runs_the_saved_step_without_importing_the_compiler(tiny_checkpoint, tmp_path):
+    """Loading a saved package needs neither dynamo nor inductor, whose imports cost a second."""
+    script = (
+        "import sys, torch; from pathlib import Path; from weights.forms import load_model; from engine.generation import generate\n"
+        "from engine.saved_step import Saved, saved_already\n"
+        f"model = load_model(Path({str(tiny_checkpoint('llama')[0])!r}), torch.float32, torch.device('cpu'))\n"
+        "with torch.inference_mode(): out = generate(model, [[5, 6, 7]], 6, eos_ids=frozenset(), runner=Saved()).tokens\n"
+        "print(out, saved_already(model, 1), 'torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent.parent) for _ in range(2)]
+    assert all(done.returncode == 0 for done in runs), runs[-1].stderr[-2000:]
+    first, later = (done.stdout.strip().rsplit(" ", 3) for done in runs)
+    assert first[1:3] == ["True", "True"]  # built: the compiler was imported
+    assert later == [first[0], "True", "False", "False"]  # loaded: the same tokens, no compiler
