@@ -3,15 +3,17 @@ start to its exit, beside llama.cpp on the same GGUF file.
 
 - engine --compile, cold cache: `python generate.py PROMPT --compile` with an empty inductor cache
   of its own, so the run pays the whole compile (the first run on a new machine);
-- engine --compile, warm cache: the same with a cache that one earlier run filled (every later run);
+- engine --compile, warm cache: the same with a cache that one earlier run filled (every later run):
+  it loads the saved step (engine/saved_step.py);
 - engine --no-compile: eager. The default command is one of these two: it compiles from
-  cli.COMPILE_FROM_TOKENS tokens on;
+  cli.SAVED_STEP_FROM_TOKENS tokens on;
 - llama.cpp: a process that loads the GGUF file with llama-cpp-python, feeds it the same prompt
   tokens and decodes greedily, as many threads as torch uses.
 
 Every run makes exactly --new-tokens tokens (the engine with --ignore-eos, llama.cpp never looks for
 EOS), greedy. Decode tok/s is the one each process reports for itself; wall time covers everything
-(interpreter start, imports, loading, compiling, prefill, decode). Each figure is the median of
+(interpreter start, imports, loading, compiling, prefill, decode); the first token is timed from the
+launch to the answer's first byte on stdout. Each figure is the median of
 --trials runs, the systems taking their runs in turn.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmark.machine import Machine
-from cli import COMPILE_FROM_TOKENS
+from cli import SAVED_STEP_FROM_TOKENS
 from benchmark.workload import progress
 from errors import UserError
 
@@ -39,20 +41,25 @@ DECODE_RATE = re.compile(r"decode: ([0-9.]+) tok/s")
 @dataclass(frozen=True)
 class UserRun:
     wall_s: float
+    first_token_s: float  # from the launch to the first byte of the answer on stdout
     decode_tok_s: float
 
 
 def _timed(command: list[str], env: dict[str, str]) -> UserRun:
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    process.stdout.read(1)  # the answer streams: its first byte is the first token's text
+    first_token = time.perf_counter() - start
+    _, stderr_bytes = process.communicate()
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
-        raise UserError(f"{' '.join(command[:3])} ... failed (exit {done.returncode}): {last}")
-    rate = DECODE_RATE.findall(done.stderr)
+    stderr = stderr_bytes.decode(errors="replace")
+    if process.returncode != 0:
+        last = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
+        raise UserError(f"{' '.join(command[:3])} ... failed (exit {process.returncode}): {last}")
+    rate = DECODE_RATE.findall(stderr)
     if not rate:
-        raise UserError(f"no 'decode: N tok/s' in the output of {' '.join(command[:3])} ...: {done.stderr.strip()[-300:]}")
-    return UserRun(wall, float(rate[-1]))
+        raise UserError(f"no 'decode: N tok/s' in the output of {' '.join(command[:3])} ...: {stderr.strip()[-300:]}")
+    return UserRun(wall, first_token, float(rate[-1]))
 
 
 def engine_command(new_tokens: int, *flags: str) -> list[str]:
@@ -89,15 +96,16 @@ def print_as_user(runs: dict[str, list[UserRun]], machine: Machine, new_tokens: 
     peer = runs.get("llama.cpp")
     peer_wall = statistics.median(r.wall_s for r in peer) if peer else None
     peer_rate = statistics.median(r.decode_tok_s for r in peer) if peer else None
-    default = "--compile" if new_tokens >= COMPILE_FROM_TOKENS else "--no-compile"
+    default = "--compile" if new_tokens >= SAVED_STEP_FROM_TOKENS else "--no-compile"
     print(f"as a user runs it: bundled SmolLM2-135M-Instruct, `python generate.py PROMPT` (greedy, {new_tokens} new tokens), a fresh process per run")
-    print(f"the default command at {new_tokens} tokens is the {default} one (it compiles from {COMPILE_FROM_TOKENS} tokens on)")
+    print(f"the default command at {new_tokens} tokens is the {default} one (it compiles from {SAVED_STEP_FROM_TOKENS} tokens on)")
     print(f"machine: {machine.cpu}, {machine.cores} cores, torch {machine.torch}, {machine.threads} threads; medians of {trials} runs")
-    print("| run | wall s | decode tok/s | wall vs llama.cpp | decode vs llama.cpp |")
-    print("|---|---|---|---|---|")
+    print("| run | wall s | first token s | decode tok/s | wall vs llama.cpp | decode vs llama.cpp |")
+    print("|---|---|---|---|---|---|")
     for name, items in runs.items():
         wall = statistics.median(r.wall_s for r in items)
+        first = statistics.median(r.first_token_s for r in items)
         rate = statistics.median(r.decode_tok_s for r in items)
         vs_wall = f"{wall / peer_wall:.2f}x" if peer_wall else ""
         vs_rate = f"{rate / peer_rate:.2f}x" if peer_rate else ""
-        print(f"| {name} | {wall:.1f} | {rate:.1f} | {vs_wall} | {vs_rate} |")
+        print(f"| {name} | {wall:.1f} | {first:.2f} | {rate:.1f} | {vs_wall} | {vs_rate} |")

@@ -18,6 +18,7 @@ def main(argv: list[str]) -> int:
     llm = Llama(model_path=gguf, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     llm.eval(prompt)
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    print(llm.detokenize([token]).decode(errors="replace") or " ", end="", flush=True)  # the first token, as generate.py streams it
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
         llm.eval([token])

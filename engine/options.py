@@ -72,7 +72,7 @@ def open_session(
     runner = new_runner(model, options)
     cache = new_cache(model, batch, n_slots, options)
     policy = new_policy(model, cache, options)
-    if isinstance(runner, Compiled) and model.device.type == "cpu" and type(cache) is KVCache and policy is None and options.speculation is None and type(model) is Transformer:
+    if isinstance(runner, Compiled) and model.device.type == "cpu" and type(cache) is KVCache and policy is None and type(model) is Transformer:
         runner = Saved()  # the plain step on CPU: a package saved once, loaded in milliseconds (engine/saved_step.py)
     return Session(model, cache, eos_ids=eos_ids, sampling=sampling, policy=policy, runner=runner)
 

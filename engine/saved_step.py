@@ -20,6 +20,7 @@ import hashlib
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,15 +34,18 @@ from models.transformer import Block, BlockGroups, LayerInputs, LayerKV, Transfo
 
 
 class GroupOfBlocks(nn.Module):
-    """Consecutive blocks over whole cache buffers: what a package computes."""
+    """Consecutive blocks over whole cache buffers: what a package computes. `view` wraps each
+    layer's view of the slots read (a verify's attends position by position, engine/verify.py)."""
 
-    def __init__(self, blocks: list[Block]):
+    def __init__(self, blocks: list[Block], view: Callable[[RowsView], LayerKV] | None = None):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.view = view
 
     def forward(self, x, cos, sin, slots, mask, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         n = mask.shape[-1]  # slots read
         kvs = [RowsView(k[:, :, :n], v[:, :, :n]) for k, v in zip(keys, values)]
+        kvs = kvs if self.view is None else [self.view(kv) for kv in kvs]
         return run_blocks(list(self.blocks), x, LayerInputs(cos, sin, slots, mask), kvs)
 
 
@@ -69,10 +73,11 @@ def whole_buffer(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided((B, H, view.stride(1) // D, D), view.stride())
 
 
-def package_path(blocks: list[Block], batch: int, dtype: torch.dtype, options: dict[str, object]) -> Path:
+def package_path(blocks: list[Block], rows: tuple[int, int], view: str, dtype: torch.dtype, options: dict[str, object]) -> Path:
     """Where the package of this structure lives: inductor's cache folder, named by everything the
-    compiled code depends on (the torch version and the CPU kernels' width included)."""
-    identity = repr((torch.__version__, [block_structure(b) for b in blocks], batch, dtype, sorted(options.items())))
+    compiled code depends on (rows: the batch and the tokens fed per row; the torch version and
+    the CPU kernels' width included)."""
+    identity = repr((torch.__version__, [block_structure(b) for b in blocks], rows, view, dtype, sorted(options.items())))
     return Path(inductor_cache()) / "saved_steps" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pt2"
 
 
@@ -88,16 +93,16 @@ def load_package(path: Path):
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
-def build_package(path: Path, blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, keys: list[torch.Tensor], options: dict[str, object], max_slots: int) -> None:
+def build_package(path: Path, group: GroupOfBlocks, x: torch.Tensor, inputs: LayerInputs, keys: list[torch.Tensor], options: dict[str, object], max_slots: int) -> None:
     """Export the group on copies of its inputs (a session's tensors are inference tensors) and compile it."""
     from torch.export import Dim, export
 
     with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated")  # raised inside torch's own export (2.13), nothing for the user to do
-        group = GroupOfBlocks(blocks)
         weights = [dict(group.named_parameters(), **dict(group.named_buffers()))[name].clone() for name in weight_names(group)]
         example = (x.clone(), inputs.cos.clone(), inputs.sin.clone(), inputs.write_slots.clone(), inputs.mask.clone(), [k.clone() for k in keys], [k.clone() for k in keys], weights)
-        n, s = Dim("slots_read", min=2, max=max_slots), Dim("slots", min=2, max=max_slots)
+        fed = x.shape[1]  # a row holds at least one slot before the ones fed
+        n, s = Dim("slots_read", min=fed + 1, max=max_slots), Dim("slots", min=fed + 1, max=max_slots)
         shapes = (None, None, None, None, {3: n}, [{2: s}] * len(keys), [{2: s}] * len(keys), [None] * len(weights))
         program = export(WeightsAsInputs(group), example, dynamic_shapes=shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,26 +118,28 @@ def saved_already(model: Transformer, batch: int) -> bool:
     loads its compiled step and compiles nothing."""
     size = group_size([block_structure(block) for block in model.layers])
     groups = [list(model.layers[first : first + size]) for first in range(0, len(model.layers), size)]
-    return all(package_path(blocks, batch, model.dtype, package_options(model)).is_file() for blocks in groups)
+    return all(package_path(blocks, (batch, 1), "step", model.dtype, package_options(model)).is_file() for blocks in groups)
 
 
-def saved_blocks(model: Transformer) -> BlockGroups:
-    """The model's blocks run by packages: built on the first call of a structure unless saved, then loaded."""
+def saved_blocks(model: Transformer, view: Callable[[RowsView], LayerKV] | None = None) -> BlockGroups:
+    """The model's blocks run by packages: built on the first call of a structure unless saved,
+    then loaded. `view`: how each layer attends (GroupOfBlocks), a package of its own."""
     size = group_size([block_structure(block) for block in model.layers])
     options = package_options(model)
     runners: dict[Path, object] = {}
-    groups: dict[int, tuple[Path, list[torch.Tensor]]] = {}  # by its first block: the group's package and weights
+    groups: dict[tuple[int, int], tuple[GroupOfBlocks, Path, list[torch.Tensor]]] = {}  # by first block and tokens fed
 
-    def run(blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, kvs: list[LayerKV]) -> torch.Tensor:
+    def run(blocks: list[Block], x: torch.Tensor, inputs: LayerInputs, kvs: list[RowsView]) -> torch.Tensor:
         keys, values = [whole_buffer(kv.k) for kv in kvs], [whole_buffer(kv.v) for kv in kvs]
-        if id(blocks[0]) not in groups:
-            group = GroupOfBlocks(blocks)
+        if (id(blocks[0]), x.shape[1]) not in groups:
+            group = GroupOfBlocks(blocks, view)
             tensors = dict(group.named_parameters(), **dict(group.named_buffers()))
-            groups[id(blocks[0])] = package_path(blocks, x.shape[0], x.dtype, options), [tensors[name] for name in weight_names(group)]
-        path, weights = groups[id(blocks[0])]
+            path = package_path(blocks, tuple(x.shape[:2]), "step" if view is None else view.__name__, x.dtype, options)
+            groups[id(blocks[0]), x.shape[1]] = group, path, [tensors[name] for name in weight_names(group)]
+        group, path, weights = groups[id(blocks[0]), x.shape[1]]
         if path not in runners:
             if not path.is_file():
-                build_package(path, blocks, x, inputs, keys, options, model.config.max_position_embeddings)
+                build_package(path, group, x, inputs, keys, options, model.config.max_position_embeddings)
             runners[path] = load_package(path)
         with torch.profiler.record_function("saved step"):  # the package's kernels, one event for a profile (bench.py --profile)
             # The inputs in the order export flattened them.

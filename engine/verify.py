@@ -6,6 +6,7 @@ import torch
 
 from engine.cpu import inductor_options
 from engine.generation import Session
+from engine.saved_step import Saved, saved_blocks
 from engine.sampling import SamplingConfig, filter_logits
 from kv.cache import KVCache, sdpa
 from models.transformer import BlockGroups, CacheRead, LayerInputs, LayerKV, run_blocks
@@ -69,29 +70,35 @@ def verify_blocks(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerI
     return run_blocks(blocks, x, inputs, kvs)
 
 
+def compiled_verify(model: torch.nn.Module, size: int) -> BlockGroups:
+    compiled = torch.compile(verify_blocks, fullgraph=True, options=inductor_options(model.device, tensor_parallel=False))
+
+    def run(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[AttendByPosition]) -> torch.Tensor:
+        for kv in kvs:  # one graph for every number of slots held
+            for tensor, dim in kv.view.slots_read():
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled(blocks, x, inputs, kvs)
+
+    return BlockGroups(run, size)
+
+
 class Verifier:
     """Feeds the session's one row several tokens in one forward pass. When the session's step
-    runs compiled blocks, so does the verify (at the one width speculative.py then allows: each
-    width is a graph of its own to compile)."""
+    runs compiled blocks or saved packages, so does the verify (at the one width speculative.py
+    then allows: each width is a graph or a package of its own to compile)."""
 
     def __init__(self, session: Session):
         self.session = session
         self.compiled: BlockGroups | None = None
+        self.saved = isinstance(session.runner, Saved)
 
     def groups(self) -> BlockGroups | None:
-        step_groups = self.session.state.blocks
-        if step_groups is None or self.compiled is not None:
-            return self.compiled if step_groups is not None else None
-        model = self.session.model
-        compiled = torch.compile(verify_blocks, fullgraph=True, options=inductor_options(model.device, tensor_parallel=False))
-
-        def run(blocks: list[torch.nn.Module], x: torch.Tensor, inputs: LayerInputs, kvs: list[AttendByPosition]) -> torch.Tensor:
-            for kv in kvs:  # one graph for every number of slots held
-                for tensor, dim in kv.view.slots_read():
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-            return compiled(blocks, x, inputs, kvs)
-
-        self.compiled = BlockGroups(run, step_groups.size)
+        """The verify's blocks: saved packages of its own under a saved step, compiled once the
+        session's step has compiled its groups, else eager (None)."""
+        if self.compiled is None and self.saved:
+            self.compiled = saved_blocks(self.session.model, AttendByPosition)
+        elif self.compiled is None and self.session.state.blocks is not None:
+            self.compiled = compiled_verify(self.session.model, self.session.state.blocks.size)
         return self.compiled
 
     def forward(self, tokens: list[int]) -> torch.Tensor:
@@ -100,9 +107,13 @@ class Verifier:
         held, T, device = session.lengths[0], len(tokens), cache.length.device
         cache.fit(0, held + T)
         steps = torch.arange(T, device=device)
-        layers = [AttendByPosition(view) for view in cache.layers(held + T)]
-        read = CacheRead(layers, cache.length[:, None] + steps, None)  # [1, T] slots to write
-        logits = session.model(torch.tensor([tokens], device=device), cache.position[:, None] + steps, read, groups=self.groups())
+        slots = cache.length[:, None] + steps  # [1, T] slots to write
+        groups = self.groups()
+        if self.saved:  # the package wraps each layer's view itself, and reads as many slots as the mask is long
+            read = CacheRead(cache.layers(held + T), slots, torch.ones(1, 1, T, held + T, dtype=torch.bool, device=device))
+        else:
+            read = CacheRead([AttendByPosition(view) for view in cache.layers(held + T)], slots, None)
+        logits = session.model(torch.tensor([tokens], device=device), cache.position[:, None] + steps, read, groups=groups)
         cache.length += T
         cache.position += T
         return logits[0]

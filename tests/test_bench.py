@@ -391,8 +391,9 @@ def test_as_user_times_the_default_command_in_fresh_processes(capsys, monkeypatc
     if importlib.util.find_spec("llama_cpp") is not None:
         expected.add("llama.cpp")
     assert set(rows) == expected
-    for wall, rate, *_ in rows.values():
+    for wall, first_token, rate, *_ in rows.values():
         assert float(wall) > 7 / float(rate)  # 7 decode steps at the reported rate fit inside the wall time
+        assert 0 < float(first_token) < float(wall)
 
 
 def test_the_server_under_the_serving_workload(chat_checkpoint, tmp_path):

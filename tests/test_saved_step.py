@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import engine.saved_step as saved_step
+import engine.speculative as speculative
 from engine.options import RunOptions, generate, open_session
 from engine.saved_step import Saved
 from kv.cache import KVCache
@@ -67,3 +68,22 @@ def test_a_new_process_runs_the_saved_step_without_importing_the_compiler(tiny_c
     first, later = (done.stdout.strip().rsplit(" ", 3) for done in runs)
     assert first[1:3] == ["True", "True"]  # built: the compiler was imported
     assert later == [first[0], "True", "False", "False"]  # loaded: the same tokens, no compiler
+
+
+class Guesses:
+    """Drafts the last token again, k times: a verify every round, its drafts mostly rejected."""
+
+    def draft(self, history: list[int], k: int) -> tuple[list[int], int]:
+        return [history[-1]] * k, 1
+
+
+def test_speculation_verifies_with_a_saved_package_of_its_own_and_gives_the_plain_tokens(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(saved_step, "inductor_cache", lambda: str(tmp_path))
+    monkeypatch.setattr(speculative, "PromptLookup", Guesses)
+    monkeypatch.setattr(speculative.Widths, "choose", lambda self, n_drafts, match, room: max((j for j in self.allowed if j <= room), default=0))
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    prompt = prompts_of([13], seed=3)
+    plain = generate(model, prompt, 16, eos_ids=frozenset()).tokens
+    result = generate(model, prompt, 16, eos_ids=frozenset(), options=RunOptions(compile=True, speculation=speculative.Speculation(max_draft=2)))
+    assert result.tokens == plain and result.speculation.rounds > 3
+    assert len(list((tmp_path / "saved_steps").glob("*.pt2"))) == 2  # the step's and the verify's (3 tokens fed)

@@ -91,8 +91,9 @@ def test_widths_choose_the_most_tokens_per_second_and_probe_when_none_pays():
         ("qwen3", RunOptions(compile=True)),
         ("llama", RunOptions(pages=PageConfig(block_size=4))),
         ("llama", RunOptions(kv_dtype="int8")),
+        ("llama", RunOptions(compile=True, kv_dtype="int8")),
     ],
-    ids=["llama", "qwen2", "qwen3-compiled", "llama-paged", "llama-int8-kv"],
+    ids=["llama", "qwen2", "qwen3-saved-step", "llama-paged", "llama-int8-kv", "llama-int8-kv-compiled"],
 )
 def test_greedy_speculation_gives_the_plain_tokens(kind, options, oracle, tiny_checkpoint):
     model = load_model(tiny_checkpoint(kind)[0], torch.float32, CPU)
