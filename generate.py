@@ -179,11 +179,11 @@ def run(args: argparse.Namespace) -> None:
         run_on(args, tp, device)
 
 
-def asks_for_features(args: argparse.Namespace) -> bool:
-    """Whether the options ask for more than the plain cache and step: a KV policy or store, a
-    quantized or paged cache, continuous batching, speculation."""
+def plain_cache(args: argparse.Namespace) -> bool:
+    """Whether the run keeps the plain cache: no KV policy or store, no quantized or paged cache,
+    no continuous batch."""
     asked = compression_config(args).enabled or args.kv_store or args.kv_dtype != "auto" or args.paged or args.max_batch is not None
-    return bool(asked or args.block_size is not None or args.kv_blocks is not None or args.speculate is not None)
+    return not (asked or args.block_size is not None or args.kv_blocks is not None)
 
 
 def run_on(args: argparse.Namespace, tp, device: torch.device) -> None:
@@ -210,18 +210,22 @@ def run_on(args: argparse.Namespace, tp, device: torch.device) -> None:
         model = load_quantized(checkpoint, dtype, device, quant, args.group_size)
     else:
         model = load_model(checkpoint, dtype, device)
-    saved = tp is None and device.type == "cpu" and not asks_for_features(args)  # the plain cache: the saved step serves it
+    saved = tp is None and device.type == "cpu" and plain_cache(args)  # the saved step serves it
     if args.compile is None:
         args.compile = compile_pays(device, None if prompts is None else len(prompts) * args.max_new_tokens, saved)
     torch.manual_seed(args.seed)  # every rank samples the same tokens from the same logits: no broadcast per step
     cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
-    plain = saved and prompts is not None and not cuda_graph
+    plain = saved and prompts is not None and args.speculate is None and not cuda_graph
     with torch.inference_mode():
         runner, compiles = Eager(), bool(args.compile)
         if args.compile and saved:  # the plain cache's compiled step: built once per machine, then loaded
             from engine.saved_step import Saved, saved_already
 
             runner, compiles = Saved(), not saved_already(model, 1 if prompts is None else len(prompts))
+            if args.speculate is not None:
+                from engine.speculative import verify_saved_already
+
+                compiles = compiles or not verify_saved_already(model, args.draft_tokens)
         notice = CompileNotice(compiles)
         if plain:
             answer(args, model, tokenizer, prompts, sampling, None, runner, notice)

@@ -113,12 +113,12 @@ def package_options(model: Transformer) -> dict[str, object]:
     return {k: v for k, v in inductor_options(model.device, tensor_parallel=False).items() if k != "cpp_wrapper"}
 
 
-def saved_already(model: Transformer, batch: int) -> bool:
-    """Whether every group of the model's blocks has its package saved for this batch: a run then
-    loads its compiled step and compiles nothing."""
+def saved_already(model: Transformer, batch: int, fed: int = 1, view: str = "step") -> bool:
+    """Whether every group of the model's blocks has its package saved for this batch and number of
+    tokens fed per row (and view, GroupOfBlocks): a run then loads it and compiles nothing."""
     size = group_size([block_structure(block) for block in model.layers])
     groups = [list(model.layers[first : first + size]) for first in range(0, len(model.layers), size)]
-    return all(package_path(blocks, (batch, 1), "step", model.dtype, package_options(model)).is_file() for blocks in groups)
+    return all(package_path(blocks, (batch, fed), view, model.dtype, package_options(model)).is_file() for blocks in groups)
 
 
 def saved_blocks(model: Transformer, view: Callable[[RowsView], LayerKV] | None = None) -> BlockGroups:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from engine.drafters import DraftModel, PromptLookup
 from engine.generation import GenerationResult, OnTokens, Session
 from engine.sampling import SamplingConfig
-from engine.verify import Verifier, verify
+from engine.saved_step import saved_already
+from engine.verify import AttendByPosition, Verifier, verify
 from errors import UserError
 from models.transformer import Transformer
 
@@ -132,6 +133,11 @@ def check_session(session: Session) -> SamplingConfig:
     if sampling.penalises_repetition:
         raise UserError("--speculate does not run with --repetition-penalty (each draft would change what counts as seen); drop one of them")
     return sampling
+
+
+def verify_saved_already(model: Transformer, max_draft: int) -> bool:
+    """Whether the saved verify of the width a compiled run allows is saved on this machine."""
+    return saved_already(model, 1, min(COMPILED_DRAFTS, max_draft) + 1, AttendByPosition.__name__)
 
 
 def speculate(

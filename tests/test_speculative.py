@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import engine.speculative as speculative
+import cli
 import generate
 from engine.generation import run
 from engine.options import RunOptions, generate as generate_with, open_session
@@ -276,3 +277,17 @@ def test_generate_py_speculating_prints_the_plain_answer(chat_checkpoint, capsys
         assert generate.main([*base, *speculate]) == 0
         out, err = capsys.readouterr()
         assert out == plain and "speculation:" in err
+
+
+def test_a_compiled_speculative_run_says_it_compiles_until_step_and_verify_are_saved(chat_checkpoint, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    argv = ["--checkpoint", str(chat_checkpoint), "--temperature", "0", "--max-new-tokens", "30", "--compile", "one two three one two three one two"]
+    assert generate.main(argv) == 0  # the plain step alone is saved
+    plain = capsys.readouterr().out
+    errs = []
+    for _ in range(2):
+        assert generate.main([*argv, "--speculate", "ngram"]) == 0
+        out, err = capsys.readouterr()
+        assert out == plain
+        errs.append(err)
+    assert cli.COMPILE_NOTICE in errs[0] and cli.COMPILE_NOTICE not in errs[1]  # the verify's package built once
