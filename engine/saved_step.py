@@ -106,7 +106,9 @@ def build_package(path: Path, group: GroupOfBlocks, x: torch.Tensor, inputs: Lay
         shapes = (None, None, None, None, {3: n}, [{2: s}] * len(keys), [{2: s}] * len(keys), [None] * len(weights))
         program = export(WeightsAsInputs(group), example, dynamic_shapes=shapes, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))  # a copy: it adds its own
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.building.pt2")  # another process never loads a package half written
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=dict(options))  # a copy: it adds its own
+        os.replace(partial, path)
 
 
 def package_options(model: Transformer) -> dict[str, object]:
