@@ -142,7 +142,11 @@ def saved_blocks(model: Transformer, view: Callable[[RowsView], LayerKV] | None 
         if path not in runners:
             if not path.is_file():
                 build_package(path, group, x, inputs, keys, options, model.config.max_position_embeddings)
-            runners[path] = load_package(path)
+            try:
+                runners[path] = load_package(path)
+            except RuntimeError:  # a package damaged on disk (a full disk, a copy cut short): built again
+                build_package(path, group, x, inputs, keys, options, model.config.max_position_embeddings)
+                runners[path] = load_package(path)
         with torch.profiler.record_function("saved step"):  # the package's kernels, one event for a profile (bench.py --profile)
             # The inputs in the order export flattened them.
             return runners[path].boxed_run([x, inputs.cos, inputs.sin, inputs.write_slots, inputs.mask, *keys, *values, *weights])[0]

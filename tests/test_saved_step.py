@@ -87,3 +87,15 @@ def test_speculation_verifies_with_a_saved_package_of_its_own_and_gives_the_plai
     result = generate(model, prompt, 16, eos_ids=frozenset(), options=RunOptions(compile=True, speculation=speculative.Speculation(max_draft=2)))
     assert result.tokens == plain and result.speculation.rounds > 3
     assert len(list((tmp_path / "saved_steps").glob("*.pt2"))) == 2  # the step's and the verify's (3 tokens fed)
+
+
+def test_a_damaged_package_is_built_again(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(saved_step, "inductor_cache", lambda: str(tmp_path))
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([7], seed=4)
+    eager = generate(model, prompts, 8, eos_ids=frozenset()).tokens
+    assert generate(model, prompts, 8, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
+    (package,) = (tmp_path / "saved_steps").glob("*.pt2")
+    package.write_bytes(package.read_bytes()[:1000])  # cut short
+    assert generate(model, prompts, 8, eos_ids=frozenset(), options=RunOptions(compile=True)).tokens == eager
+    assert package.stat().st_size > 1000
