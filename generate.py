@@ -180,8 +180,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def plain_cache(args: argparse.Namespace) -> bool:
-    """Whether the run keeps the plain cache: no KV policy or store, no quantized or paged cache,
-    no continuous batch."""
+    """Whether the run keeps the plain cache: no KV policy or store, the model's dtype for the
+    keys and values (--kv-dtype auto), no paged cache, no continuous batch."""
     asked = compression_config(args).enabled or args.kv_store or args.kv_dtype != "auto" or args.paged or args.max_batch is not None
     return not (asked or args.block_size is not None or args.kv_blocks is not None)
 

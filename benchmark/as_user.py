@@ -46,13 +46,15 @@ class UserRun:
 
 
 def _timed(command: list[str], env: dict[str, str]) -> UserRun:
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    process.stdout.read(1)  # the answer streams: its first byte is the first token's text
-    first_token = time.perf_counter() - start
-    _, stderr_bytes = process.communicate()
-    wall = time.perf_counter() - start
-    stderr = stderr_bytes.decode(errors="replace")
+    with tempfile.TemporaryFile() as stderr_file:  # a file, not a pipe: however much it writes there, it never blocks
+        start = time.perf_counter()
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr_file, cwd=REPO)
+        process.stdout.read(1)  # the answer streams: its first byte is the first token's text
+        first_token = time.perf_counter() - start
+        process.communicate()
+        wall = time.perf_counter() - start
+        stderr_file.seek(0)
+        stderr = stderr_file.read().decode(errors="replace")
     if process.returncode != 0:
         last = stderr.strip().splitlines()[-1] if stderr.strip() else "no output"
         raise UserError(f"{' '.join(command[:3])} ... failed (exit {process.returncode}): {last}")

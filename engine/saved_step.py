@@ -9,10 +9,12 @@ straight into the compiled code.
 The package takes its blocks' weights as inputs, so that one package serves every group of one
 structure, and each layer's whole cache buffer [B, H_kv, S, D]: it writes the new keys and values
 into it and reads the first n slots, n being the mask's length. S and n are variables of the
-compiled code; the batch, the dtype and the weights' shapes are part of the package's name.
+compiled code; the batch, the tokens fed per row, the dtype and the weights' shapes are part of
+the package's name. A speculative verify gets packages of its own (engine/verify.py).
 
-It serves the plain cache (a float KVCache, no KV policy, one process); engine/options.py picks it
-and falls back to torch.compile's groups for everything else.
+It serves the plain cache (a float KVCache, no KV policy, one process): generate.py hands it to the
+core's generate for a plain compiled run, engine/options.py picks it for a session of the plain
+cache, and everything else keeps torch.compile's groups.
 """
 
 import getpass
@@ -73,11 +75,12 @@ def whole_buffer(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided((B, H, view.stride(1) // D, D), view.stride())
 
 
-def package_path(blocks: list[Block], rows: tuple[int, int], view: str, dtype: torch.dtype, options: dict[str, object]) -> Path:
+def package_path(blocks: list[Block], rows: tuple[int, int], view: Callable[[RowsView], LayerKV] | None, dtype: torch.dtype, options: dict[str, object]) -> Path:
     """Where the package of this structure lives: inductor's cache folder, named by everything the
-    compiled code depends on (rows: the batch and the tokens fed per row; the torch version and
-    the CPU kernels' width included)."""
-    identity = repr((torch.__version__, [block_structure(b) for b in blocks], rows, view, dtype, sorted(options.items())))
+    compiled code depends on (rows: the batch and the tokens fed per row; the view, GroupOfBlocks;
+    the torch version and the CPU kernels' width included)."""
+    view_name = "step" if view is None else view.__name__
+    identity = repr((torch.__version__, [block_structure(b) for b in blocks], rows, view_name, dtype, sorted(options.items())))
     return Path(inductor_cache()) / "saved_steps" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pt2"
 
 
@@ -115,7 +118,7 @@ def package_options(model: Transformer) -> dict[str, object]:
     return {k: v for k, v in inductor_options(model.device, tensor_parallel=False).items() if k != "cpp_wrapper"}
 
 
-def saved_already(model: Transformer, batch: int, fed: int = 1, view: str = "step") -> bool:
+def saved_already(model: Transformer, batch: int, fed: int = 1, view: Callable[[RowsView], LayerKV] | None = None) -> bool:
     """Whether every group of the model's blocks has its package saved for this batch and number of
     tokens fed per row (and view, GroupOfBlocks): a run then loads it and compiles nothing."""
     size = group_size([block_structure(block) for block in model.layers])
@@ -136,7 +139,7 @@ def saved_blocks(model: Transformer, view: Callable[[RowsView], LayerKV] | None 
         if (id(blocks[0]), x.shape[1]) not in groups:
             group = GroupOfBlocks(blocks, view)
             tensors = dict(group.named_parameters(), **dict(group.named_buffers()))
-            path = package_path(blocks, tuple(x.shape[:2]), "step" if view is None else view.__name__, x.dtype, options)
+            path = package_path(blocks, tuple(x.shape[:2]), view, x.dtype, options)
             groups[id(blocks[0]), x.shape[1]] = group, path, [tensors[name] for name in weight_names(group)]
         group, path, weights = groups[id(blocks[0]), x.shape[1]]
         if path not in runners:

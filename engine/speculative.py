@@ -137,7 +137,7 @@ def check_session(session: Session) -> SamplingConfig:
 
 def verify_saved_already(model: Transformer, max_draft: int) -> bool:
     """Whether the saved verify of the width a compiled run allows is saved on this machine."""
-    return saved_already(model, 1, min(COMPILED_DRAFTS, max_draft) + 1, AttendByPosition.__name__)
+    return saved_already(model, 1, min(COMPILED_DRAFTS, max_draft) + 1, AttendByPosition)
 
 
 def speculate(

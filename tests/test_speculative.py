@@ -282,8 +282,10 @@ def test_generate_py_speculating_prints_the_plain_answer(chat_checkpoint, capsys
 def test_a_compiled_speculative_run_says_it_compiles_until_step_and_verify_are_saved(chat_checkpoint, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     argv = ["--checkpoint", str(chat_checkpoint), "--temperature", "0", "--max-new-tokens", "30", "--compile", "one two three one two three one two"]
-    assert generate.main(argv) == 0  # the plain step alone is saved
+    assert generate.main([*argv, "--no-compile"]) == 0
     plain = capsys.readouterr().out
+    assert generate.main(argv) == 0  # the plain step alone is saved
+    assert capsys.readouterr().out == plain
     errs = []
     for _ in range(2):
         assert generate.main([*argv, "--speculate", "ngram"]) == 0
