@@ -321,6 +321,7 @@ class PerRowManagers:
         B = cache.length.shape[0]
         self.store = store
         self.rows = [CompressionManager(config, cache.row(b), n_heads, rope_cos, rope_sin, None if store is None else store.row(b)) for b in range(B)]
+        self.joined = [False] * B  # the rows that hold a prompt: only their schedules run
         L, _, _, _, D = cache.slot_shape()
         self.step_queries = step_queries(L, B, n_heads, D, cache.device)
 
@@ -338,6 +339,20 @@ class PerRowManagers:
         """Inside the decode step: each row's queries [L, 1, H, 1, D] to its own manager."""
         for b, manager in enumerate(self.rows):
             manager.record(queries[:, b : b + 1], positions[b : b + 1])
+
+    def join(self, row: int) -> CompressionManager:
+        """A new prompt takes the row: its manager starts over, and is returned for the row's prefill."""
+        self.rows[row].reset()
+        self.joined[row] = True
+        return self.rows[row]
+
+    def leave(self, row: int) -> None:
+        self.joined[row] = False
+
+    def after_step(self) -> bool:
+        """Between steps: each joined row's schedule; whether any row was compacted."""
+        compacted = [manager.after_step() for manager, joined in zip(self.rows, self.joined) if joined]
+        return any(compacted)
 
     def step_state(self) -> list[torch.Tensor]:
         return [t for manager in self.rows for t in manager.step_state()]

@@ -109,7 +109,8 @@ class Session:
     """One cache and the decode step bound to it, one row per sequence.
 
     Every row starts with one prefill and runs to the end (a chat appends each turn with another
-    prefill); rows that join and leave between steps are engine/scheduler.py's ContinuousSession."""
+    prefill). A continuous batch (engine/scheduler.py) starts its rows empty and fills them one at
+    a time, between steps, with the same prefill and the same step."""
 
     def __init__(
         self, model: Transformer, cache: KVCache, *, eos_ids: frozenset[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
@@ -133,6 +134,8 @@ class Session:
             seen,
         )
         self.lengths = [0] * batch  # each row's slots in use, a host count: the eager read bound, a paged row's blocks
+        self.holding = [True] * batch  # host: the rows that hold a sequence (a continuous batch's idle rows do not)
+        self.idle = torch.zeros(batch, dtype=torch.bool, device=device)  # [B] the rows that hold none
         self.last_logits: torch.Tensor | None = None
         self._step: Callable[..., object] | None = None
         self.setup_s = 0.0  # the first step's time, when it compiled the blocks or captured a CUDA graph
@@ -140,12 +143,12 @@ class Session:
     def prefill(self, prompts: list[list[int]]) -> Sampled:
         """Append one list of tokens per row; returns the first sampled token of each row."""
         self._fit([held + len(p) for held, p in zip(self.lengths, prompts)])
-        self._prefill(slice(None), self.cache, prompts, self.policy)
-        first = self._sampled()  # the host sync that ends prefill
+        self.prefill_rows(slice(None), self.cache, prompts, self.policy)
+        first = self.sampled()  # the host sync that ends prefill
         self._lengths_changed()  # a KV policy may have compressed the prompts
         return first
 
-    def _prefill(self, rows: slice, cache: KVCache, prompts: list[list[int]], policy: KVPolicy | None) -> None:
+    def prefill_rows(self, rows: slice, cache: KVCache, prompts: list[list[int]], policy: KVPolicy | None) -> None:
         """Prefill the rows' prompts into `cache` (the session's, or one row's view of it) and sample each row's first token."""
         state = self.state
         seen = None if state.seen is None else state.seen[rows]
@@ -160,7 +163,8 @@ class Session:
         state.tokens[rows] = first
         state.finished[rows] = torch.isin(first, state.eos)
 
-    def _sampled(self) -> Sampled:
+    def sampled(self) -> Sampled:
+        """Every row's last sampled token and whether it has finished, in one read of the device."""
         tokens, finished = self.state.tokens, self.state.finished
         both = torch.cat([tokens, finished.to(tokens.dtype)]).tolist()  # one read of both
         batch = tokens.shape[0]
@@ -180,7 +184,7 @@ class Session:
         return sampled
 
     def _advance(self) -> Sampled:
-        grown = [n + 1 if running else 0 for n, running in zip(self.lengths, self.running())]
+        grown = [n + 1 if holds else 0 for n, holds in zip(self.lengths, self.holding)]
         self._fit(grown)
         # The step attends over the slots that can be in use, a bound the host knows: eager any size
         # costs nothing, and the compiled blocks take it as a variable (engine/compile.py). A CUDA
@@ -192,13 +196,17 @@ class Session:
             self._step()
         self.lengths = grown
         self._after_step()
-        return self._sampled()
+        return self.sampled()
 
-    def running(self) -> list[bool]:
-        """The rows that hold a sequence: every one, in a session of static rows."""
-        return [True] * len(self.lengths)
+    def hold(self, row: int, holds: bool) -> None:
+        """Between steps: the row now holds a sequence, or no longer does (a continuous batch's rows)."""
+        self.holding[row] = holds
+        self.idle[row] = not holds
 
     def _after_step(self) -> None:
+        if not all(self.holding):  # an idle row stepped into the scratch block: its counters go back to zero
+            for counter in (self.cache.length, self.cache.position):
+                counter.masked_fill_(self.idle, 0)
         if self.policy is not None and self.policy.after_step():
             self._lengths_changed()
 
@@ -210,9 +218,9 @@ class Session:
     def _lengths_changed(self) -> None:
         """After a compaction: read the rows' lengths back; a paged cache frees the emptied blocks at once."""
         for row, n in enumerate(self.cache.length.tolist()):
-            self._set_length(row, n)
+            self.set_length(row, n)
 
-    def _set_length(self, row: int, n_slots: int) -> None:
+    def set_length(self, row: int, n_slots: int) -> None:
         self.lengths[row] = n_slots
         self.cache.fit(row, n_slots)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from compression.config import CompressionConfig
-from engine.generation import OnTokens, Session, check_lengths
+from engine.generation import OnTokens, Sampled, Session, check_lengths
 from engine.logit_rules import LogitRules, RowLogits, TokenLogprobs, TokenMask
 from engine.options import RunOptions, new_cache, new_policy, new_runner
 from engine.sampling import RowSampling, SamplingConfig
@@ -30,13 +30,12 @@ from kv.paged import PageConfig, PagedKVCache
 from kv.prefix_cache import PrefixCache
 from models.transformer import Transformer
 
-class ContinuousSession(Session):
-    """A session whose rows start idle, on a paged cache: a prompt joins an idle row between steps
-    (`admit`) and leaves it when done (`release`). An idle row still runs through the fixed-shape
-    step, into the scratch block, its counters put back to zero after each step. With a KV policy
-    each row has its own manager and schedule, since rows join at different steps."""
-
-    cache: PagedKVCache
+class ContinuousSession:
+    """The rows of a continuous batch: a Session on a paged cache whose rows start idle. A prompt
+    joins an idle row between steps (`admit`: the Session's prefill, into that row alone) and
+    leaves it when done (`release`); `step` is the Session's own. An idle row still runs through
+    the fixed-shape step, into the scratch block. With a KV policy each row has its own manager and
+    schedule, since rows join at different steps."""
 
     def __init__(
         self, model: Transformer, batch: int, n_slots: int, options: RunOptions, *, eos_ids: frozenset[int], sampling: SamplingConfig | RowSampling = SamplingConfig()
@@ -44,25 +43,26 @@ class ContinuousSession(Session):
         """options.pages: the pool (default: PageConfig())."""
         options = options if options.pages is not None else replace(options, pages=PageConfig())
         runner = new_runner(model, options)
-        cache = new_cache(model, batch, n_slots, options)
+        cache: PagedKVCache = new_cache(model, batch, n_slots, options)
         # A request may join with settings of its own, and a CUDA graph replays the branches its
         # capture took: under one, the settings are read on the device alone.
         rows = sampling if isinstance(sampling, RowSampling) else RowSampling.same(sampling, batch, model.device)
         rows.static = runner.graph
-        super().__init__(model, cache, eos_ids=eos_ids, sampling=rows, policy=new_policy(model, cache, options, per_row=True), runner=runner)
+        self.session = Session(model, cache, eos_ids=eos_ids, sampling=rows, policy=new_policy(model, cache, options, per_row=True), runner=runner)
+        self.model, self.cache, self.state = model, cache, self.session.state
         if self.state.seen is None:  # a request may join with a repetition penalty of its own (admit)
             self.state.seen = torch.zeros(batch, model.config.vocab_size, dtype=torch.bool, device=model.device)
-        if options.prefix_cache and self.policy is None:  # compaction moves slots: a compressed row's blocks are its own
+        if options.prefix_cache and self.session.policy is None:  # compaction moves slots: a compressed row's blocks are its own
             salt = repr((model.config, model.dtype, options.kv_dtype, cache.block_size))
             cache.blocks.prefix = PrefixCache(cache.block_size, salt)
         if not runner.graph:  # a CUDA graph would replay the rules of its capture
             self.state.logits_hook = RowLogits(batch, model.config.vocab_size, model.device)
         self.state.finished.fill_(True)
-        self.joined = [False] * batch  # host: the rows holding a prompt
-        self.idle = torch.ones(batch, dtype=torch.bool, device=model.device)  # [B] the rows holding none
+        for row in range(batch):
+            self.session.hold(row, False)
 
-    def running(self) -> list[bool]:
-        return list(self.joined)
+    def step(self) -> Sampled:
+        return self.session.step()
 
     def admit(
         self, row: int, prompt: list[int], sampling: SamplingConfig | None = None, seed: int = 0, rules: LogitRules = LogitRules(), mask: TokenMask | None = None
@@ -70,7 +70,8 @@ class ContinuousSession(Session):
         """Between steps: prefill a prompt into an idle row, sampled with its own settings from now
         on (None: the row's so far), its rules for the logits and its token mask; returns its first
         token, whether that ends it (EOS), and how many prompt tokens a prefix cache held (not prefilled)."""
-        assert not self.joined[row], "admit needs an idle row"
+        session = self.session
+        assert not session.holding[row], "admit needs an idle row"
         if sampling is not None:
             self.state.sampling.set_row(row, sampling, seed)
         self.set_rules(row, rules, mask)
@@ -78,18 +79,14 @@ class ContinuousSession(Session):
         cached = self.cache.share_prefix(row, prompt)
         self.state.seen[row, torch.tensor(prompt[:cached], dtype=torch.int64, device=self.model.device)] = True
         self.cache.fit(row, len(prompt))
-        policy = None
-        if self.policy is not None:
-            policy = self.policy.rows[row]
-            policy.reset()
-        self._prefill(slice(row, row + 1), self.cache.row(row), [prompt[cached:]], policy)
+        policy = None if session.policy is None else session.policy.join(row)
+        session.prefill_rows(slice(row, row + 1), self.cache.row(row), [prompt[cached:]], policy)
         if cached:  # a prefill into a row that holds slots leaves the protected prefix alone
             self.cache.prompt_length[row] = len(prompt)
         self.cache.register_prefix(row, prompt)
-        self.idle[row] = False
-        self.joined[row] = True
-        self._set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
-        first = self._sampled()
+        session.hold(row, True)
+        session.set_length(row, int(self.cache.length[row]))  # a KV policy may have compressed the prompt
+        first = session.sampled()
         return first.tokens[row], first.finished[row], cached
 
     def check_rules(self, rules: LogitRules, mask: TokenMask | None = None) -> None:
@@ -115,21 +112,14 @@ class ContinuousSession(Session):
     def release(self, row: int, tokens: list[int] = ()) -> None:
         """Between steps: the row's prompt is done; its blocks go back to the pool. tokens: what it
         fed the cache (its prompt, then its answer), for a prefix cache to find again."""
-        self.cache.register_prefix(row, list(tokens[: self.lengths[row]]))
+        session = self.session
+        self.cache.register_prefix(row, list(tokens[: session.lengths[row]]))
         self.cache.release(row)
         self.state.finished[row] = True
-        self.idle[row] = True
-        self.joined[row] = False
-        self.lengths[row] = 0
-
-    def _after_step(self) -> None:
-        if not all(self.joined):  # an idle row's counters go back to zero; with none, nothing to do
-            for counter in (self.cache.length, self.cache.position):
-                counter.masked_fill_(self.idle, 0)
-        if self.policy is not None:
-            for row, manager in enumerate(self.policy.rows):
-                if self.joined[row] and manager.after_step():
-                    self._set_length(row, int(self.cache.length[row]))
+        session.hold(row, False)
+        session.lengths[row] = 0
+        if session.policy is not None:
+            session.policy.leave(row)
 
 
 @dataclass(frozen=True)
@@ -193,7 +183,8 @@ def serve(
         batch.step()
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt) for r in requests)
-    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, session.kv_bytes, session.kv_peak_bytes, sum(batch.cached_tokens.values()))
+    kv_bytes, kv_peak_bytes = session.session.kv_bytes, session.session.kv_peak_bytes
+    return BatchRun(answers, prompt_tokens, seconds, batch.steps, batch.most_rows, kv_bytes, kv_peak_bytes, sum(batch.cached_tokens.values()))
 
 
 class ContinuousBatch:
@@ -205,7 +196,7 @@ class ContinuousBatch:
         self.session, self.compression, self.on_tokens = session, compression, on_tokens
         self.requests: dict[Hashable, Request] = {}  # waiting or running
         self.waiting: deque[Hashable] = deque()
-        self.rows: list[Hashable | None] = [None] * len(session.lengths)  # the request each row holds
+        self.rows: list[Hashable | None] = [None] * len(session.session.lengths)  # the request each row holds
         self.produced: dict[Hashable, list[int]] = {}  # tokens so far, per running request
         self.cached_tokens: dict[Hashable, int] = {}  # per request admitted: prompt tokens the prefix cache held
         self.pool_blocks = session.cache.blocks.n_free  # the session starts with every row idle

@@ -155,7 +155,7 @@ class Worker:
             "waiting": len(self.jobs) - running,
             "free_blocks": 0 if batch is None else batch.session.cache.blocks.n_free,
             "pool_blocks": 0 if batch is None else batch.pool_blocks,
-            "kv_peak_bytes": 0 if batch is None else batch.session.kv_peak_bytes,
+            "kv_peak_bytes": 0 if batch is None else batch.session.session.kv_peak_bytes,
             "most_running": 0 if batch is None else batch.most_rows,
             "served": self.served,
             "cancelled": self.cancelled,

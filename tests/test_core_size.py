@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PLAIN_RUN_CEILING = 2_908
-DEFAULT_RUN_CEILING = 3_398
+PLAIN_RUN_CEILING = 2_916
+DEFAULT_RUN_CEILING = 3_406
 
 # Runs generate.py in this process and, at exit, writes the project's loaded files and their lines.
 COUNTER = """
