@@ -9,6 +9,7 @@ error body with a 4xx status; a client that goes away cancels its job.
 """
 
 import asyncio
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from weights.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5  # how often a whole-answer request looks whether its client is still there
 OPEN_PATHS = {"/health", "/metrics"}  # no API key needed: a load balancer's probe, a Prometheus scrape
+# pydantic names the branch of a union it tried inside an error's location ('str', 'list[TextPart]',
+# 'NamedToolChoice', "literal['none', ...]"); the client knows only its fields.
+UNION_BRANCH = re.compile(r"^(str|int|float|bool|function-\w+\[.*\]|dict\[.*\]|list\[.*\]|literal\[.*\]|[A-Z]\w*)$")
 
 
 @dataclass
@@ -53,6 +57,12 @@ class Refused(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.body = status, error_body(message, kind, param, code)
+
+
+def telling_first(error: dict) -> tuple[bool, bool]:
+    """Of a request's errors, the one to report first: an unknown field, then any but the branches of
+    a union that the value's type did not fit (their message names no field of the client's)."""
+    return error["type"] != "extra_forbidden", error["type"].endswith("_type") or error["type"] == "literal_error"
 
 
 def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
@@ -78,10 +88,10 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
+        first = min(e.errors(), key=telling_first)
         if first["type"] == "json_invalid":
             return JSONResponse(error_body(f"the request body is not valid JSON ({first['ctx']['error']})"), status_code=400)
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        where = ".".join(str(part) for part in first["loc"] if part != "body" and not UNION_BRANCH.match(str(part)))
         if first["type"] == "extra_forbidden":
             return JSONResponse(error_body(f"{where} is not a field this server knows; drop it (docs/serving.md lists the fields)", param=where), status_code=400)
         message = f"{where}: {first['msg']}" if where else f"the request body: {first['msg']}"

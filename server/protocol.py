@@ -1,9 +1,10 @@
 """The OpenAI API's shapes: the requests serve.py accepts (pydantic checks their types and
 ranges), the answers and stream chunks it sends, and its error bodies.
 
-A field of the API that the engine does not implement (echo, best_of, ...) is refused with a 400 that names it, unless its value asks for nothing (null,
-false, 0, empty, the default), as the OpenAI clients send it; `n` other than 1 is refused too.
-Fields the API does not define are ignored.
+A field of the API that the engine does not implement (echo, best_of, ...) is refused with a 400
+that names it, unless its value asks for nothing (null, false, 0, empty, the default), as the
+OpenAI clients send it. A field the API does not define is refused too, at any depth of the body
+(a message's, a tool's, a schema's): nothing a client sends is silently ignored.
 """
 
 import json
@@ -17,16 +18,21 @@ from pydantic_core import PydanticCustomError
 from engine.logit_rules import MOST_TOP_LOGPROBS, LogitRules, TokenLogprobs
 
 MOST_CHOICES = 16  # n
+KNOWN_FIELDS_ONLY = ConfigDict(extra="forbid")  # a field this server does not know is a 400 naming it, never ignored
 from server.answer_parts import ToolCall
 from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 
 
 class TextPart(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     type: Literal["text"]
     text: str
 
 
 class CalledFunction(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     name: str
     arguments: str  # a JSON object, as text
 
@@ -42,13 +48,15 @@ class CalledFunction(BaseModel):
 
 
 class MessageToolCall(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = KNOWN_FIELDS_ONLY
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -90,6 +98,8 @@ class Message(BaseModel):
 
 
 class Function(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = None  # a JSON schema
@@ -97,23 +107,27 @@ class Function(BaseModel):
 
 
 class Tool(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     type: Literal["function"]
     function: Function
 
 
 class NamedToolChoice(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     type: Literal["function"]
     function: dict[str, str]
 
     @model_validator(mode="after")
     def names_a_function(self) -> "NamedToolChoice":
-        if "name" not in self.function:
+        if set(self.function) != {"name"}:
             raise PydanticCustomError("tool_choice", "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}")
         return self
 
 
 class JsonSchema(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -122,6 +136,8 @@ class JsonSchema(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -133,7 +149,16 @@ class ResponseFormat(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = KNOWN_FIELDS_ONLY
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # the stream is sent as it is, with no padding to hide its lengths
+
+    @model_validator(mode="after")
+    def no_obfuscation(self) -> "StreamOptions":
+        if self.include_obfuscation:
+            raise PydanticCustomError("not_implemented", "stream_options.include_obfuscation is not implemented by this server; drop it (or send false)")
+        return self
 
 
 # Fields of the API the engine does not implement, with the values that ask for nothing.
@@ -158,7 +183,7 @@ NOT_IMPLEMENTED = {
 class Sampling(BaseModel):
     """What both endpoints take: the length of the answer, how it is sampled, how it comes back."""
 
-    model_config = ConfigDict(extra="forbid")  # a field this server does not know is a 400 naming it, never ignored
+    model_config = KNOWN_FIELDS_ONLY
 
     model: str | None = None
     user: str | None = None  # who asks, for the caller's records; the answer does not depend on it
@@ -232,6 +257,13 @@ class ChatRequest(Sampling):
     def top_logprobs_need_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("needs_logprobs", "top_logprobs needs logprobs: true")
+        if self.tool_choice in ("auto", None):
+            strict = [tool.function.name for tool in self.tools or [] if tool.function.strict]
+            if strict:  # under 'auto' the model's calls are parsed from free text, not held to a grammar
+                raise PydanticCustomError(
+                    "strict", f"tools: strict function {strict[0]} is enforced only when the call is required: send tool_choice 'required' "
+                    "or that function by name, or drop strict"
+                )
         if self.tool_choice in ("none", "auto", None):
             return self
         names = [tool.function.name for tool in self.tools or []]

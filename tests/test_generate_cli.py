@@ -1,6 +1,7 @@
 """generate.py end to end on a tiny checkpoint with a real tokenizer and chat template."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,18 @@ def test_continuous_batching_prints_the_answers_of_one_static_batch_in_prompt_or
     code, out, err = run_main(capsys, *common, *flags)
     assert code == 0 and out == static
     assert "prompts: 5" in err and "at most 2 prompts at once" in err and "KV cache:" in err
+
+
+def test_a_prompt_file_prefills_a_common_beginning_once_and_answers_as_without_sharing(chat_checkpoint, capsys, tmp_path):
+    system = "You answer questions about foxes, dogs and the woods they live in, briefly and kindly. " * 3
+    prompts = [system + question for question in ("What do foxes eat?", "Where do dogs sleep?", "Which is faster?")]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    common = ["--checkpoint", str(chat_checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"), "--max-new-tokens", "8", "--dtype", "float32", "--temperature", "0", "--max-batch", "2"]
+    _, unshared, err = run_main(capsys, *common, "--no-prefix-cache")
+    assert "(0 cached)" in err
+    code, shared, err = run_main(capsys, *common)
+    cached = int(re.search(r"\((\d+) cached\)", err).group(1))
+    assert code == 0 and shared == unshared and cached >= 2 * 16  # the two later prompts found at least a block each
 
 
 def test_the_paged_cache_gives_the_answers_of_the_contiguous_one(chat_checkpoint, capsys, tmp_path):

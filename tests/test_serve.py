@@ -377,12 +377,25 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "a tool message needs content"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1"}}]}]}, "arguments must be a JSON object"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not implemented"),
+    # A field the API does not define is refused at any depth, named by its path.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]}, "messages.0.content.0.cache_control is not a field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "examples": []}}]}, "tools.0.function.examples is not a field"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}, "version": 2}}}, "response_format.json_schema.version is not a field"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "chunk_size": 4}}, "stream_options.chunk_size is not a field"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}", "index": 0}}]}]}, "messages.0.tool_calls.0.function.index is not a field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f", "why": "x"}}}, "a named choice is"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": True}}, "include_obfuscation is not implemented"),
+    # Under 'auto' a call is parsed from free text: a strict schema there would be a promise not kept.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "strict function f is enforced only when the call is required"),
 ]
 
 
 def test_fields_that_ask_for_nothing_are_accepted(server):
     """What clients send by default (null, false, 0, empty) changes nothing and is no reason for a 400."""
-    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto", "response_format": {"type": "text"}}
+    neutral = {
+        "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+        "stream_options": {"include_usage": False, "include_obfuscation": False},
+    }
     status, answer = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **neutral})
     assert status == 200, answer
 
