@@ -220,7 +220,7 @@ def test_a_key_bias_is_kept_out_of_the_codes_and_put_back_exactly(paged, tiny_ch
 def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
     """int4 of a 64-channel head: 32 bytes of codes and 2 groups x (step, minimum) x 2 bytes per slot."""
     config = config_of(64, n_layers=3)
-    per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8, (4, 3): 32 + 8 + 24 + 8, (3, 2): 24 + 8 + 16 + 8, (2, 2): 2 * (16 + 8)}  # one head's K and V, bfloat16 or codes + scales
+    per_slot = {None: 2 * 64 * 2, (8, 8): 2 * (64 + 8), (4, 4): 2 * (32 + 8), (8, 4): 64 + 8 + 32 + 8, (4, 3): 32 + 8 + 24 + 8, (3, 3): 2 * (24 + 8), (3, 2): 24 + 8 + 16 + 8, (2, 2): 2 * (16 + 8)}  # one head's K and V, bfloat16 or codes + scales
     for bits, expected in per_slot.items():
         cache = QuantizedKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits)
         assert cache.nbytes == 3 * 2 * 2 * 10 * expected  # layers, rows, heads, slots
@@ -252,7 +252,7 @@ def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cach
 def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
     prompts = prompts_of([7, 19], seed=2)
-    for kv_dtype in ("int8", "int4", "k8v4", "k4v3", "int2"):
+    for kv_dtype in ("int8", "int4", "k8v4", "k4v3", "k3v2", "int2"):
         eager = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype))
         compiled = generate(model, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype, compile=True))
         assert compiled.tokens == eager.tokens, kv_dtype
