@@ -135,11 +135,11 @@ def build_app(served: Served, worker: Worker, metrics: Metrics, api_key: str | N
         thinking, calls_format = text.rstrip().endswith(THINK_OPEN), calls_format if tools else None
         prompt = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
         reply = Reply(True, served.name, served.token_text if body.logprobs else None)
-        forced, only = body.forced_calls()
+        forced, only, once = body.forced_calls()
 
         def new_mask() -> TokenMask | None:
             if forced:
-                return served.grammars.tool_calls(tools, only, calls_format, thinking)
+                return served.grammars.tool_calls(tools, only, once, calls_format, thinking)
             return response_format_mask(body.response_format, thinking)
 
         return await answer(body, prompt, reply, http, new_mask, lambda: AnswerParts(thinking, calls_format))

@@ -168,7 +168,6 @@ NOT_IMPLEMENTED = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True),
     "reasoning_effort": (None,),
     "verbosity": (None,),
     "audio": (None,),
@@ -251,12 +250,17 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MOST_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most, held by the grammar of a required or named call
     chat_template_kwargs: dict | None = None  # extra variables of the chat template (e.g. enable_thinking)
 
     @model_validator(mode="after")
     def top_logprobs_need_logprobs(self) -> "ChatRequest":
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("needs_logprobs", "top_logprobs needs logprobs: true")
+        if self.tool_choice in ("auto", None) and self.tools and self.parallel_tool_calls is False:
+            raise PydanticCustomError(
+                "parallel_tool_calls", "parallel_tool_calls false is held only when the call is required: send tool_choice 'required' or a function by name, or drop it"
+            )
         if self.tool_choice in ("auto", None):
             strict = [tool.function.name for tool in self.tools or [] if tool.function.strict]
             if strict:  # under 'auto' the model's calls are parsed from free text, not held to a grammar
@@ -275,11 +279,12 @@ class ChatRequest(Sampling):
             raise PydanticCustomError("tool_choice", "tool_choice 'required' or a named function and response_format both shape the answer; send one of them")
         return self
 
-    def forced_calls(self) -> tuple[bool, str | None]:
-        """Whether the answer must be tool calls, and the one function it must call (None: any, one or more)."""
+    def forced_calls(self) -> tuple[bool, str | None, bool]:
+        """Whether the answer must be tool calls, the one function it must call (None: any), and
+        whether it makes one call only (a named function is called once)."""
         if isinstance(self.tool_choice, NamedToolChoice):
-            return True, self.tool_choice.function["name"]
-        return self.tool_choice == "required", None
+            return True, self.tool_choice.function["name"], True
+        return self.tool_choice == "required", None, self.parallel_tool_calls is False
 
     def offered_tools(self) -> list[dict] | None:
         """The tools the model is shown: none when tool_choice is 'none'."""

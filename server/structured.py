@@ -70,9 +70,9 @@ class JsonGrammars:
         options = JSON_LAYOUT | (schema.get("x-guidance") or {})
         return self._matcher("%json " + json.dumps({**schema, "x-guidance": options}), thinking, "response_format")
 
-    def tool_calls(self, tools: list[dict], only: str | None, calls_format: str, thinking: bool) -> JsonMask:
-        """tool_choice 'required' (only None: one call or more, to any of the tools) or named (only: the
-        function, called once); tools: the request's, as the template is shown them."""
+    def tool_calls(self, tools: list[dict], only: str | None, once: bool, calls_format: str, thinking: bool) -> JsonMask:
+        """tool_choice 'required' (only None: a call to any of the tools) or named (only: that
+        function); once: one call, else one or more; tools: the request's, as the template is shown them."""
         key = "arguments" if calls_format == "tagged" else "parameters"
         calls = [
             {"type": "object", "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}}, "required": ["name", key], "additionalProperties": False}
@@ -83,7 +83,7 @@ class JsonGrammars:
         if calls_format == "json":
             return self._matcher(call, thinking, "tool_choice")
         tagged = f'{self._literal(TOOL_OPEN)} "\\n" {call} "\\n" {self._literal(TOOL_CLOSE)}'
-        return self._matcher(tagged if only else f'call ("\\n" call)*\ncall: {tagged}', thinking, "tool_choice")
+        return self._matcher(tagged if once else f'call ("\\n" call)*\ncall: {tagged}', thinking, "tool_choice")
 
     def _literal(self, text: str) -> str:
         """The text in a lark rule: the token itself where the tokenizer holds it as one special

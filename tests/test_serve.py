@@ -418,7 +418,7 @@ COMPLETION_FIELDS = {
     "suffix": "end", "temperature": 0.5, "top_p": 0.5, "user": "u1",
 }
 SERVED = {"messages", "model", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata", "n", "presence_penalty",
-          "prompt_cache_key", "response_format", "safety_identifier", "seed", "stop", "stream", "stream_options", "temperature", "tool_choice",
+          "prompt_cache_key", "parallel_tool_calls", "response_format", "safety_identifier", "seed", "stop", "stream", "stream_options", "temperature", "tool_choice",
           "top_logprobs", "top_p", "user", "prompt"}  # fmt: skip
 # tools: this checkpoint's template never shows them, a 400 naming them (tests/test_tools.py serves them).
 

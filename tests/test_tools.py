@@ -216,7 +216,7 @@ def test_a_tokenizer_llguidance_cannot_read_costs_response_format_alone(tmp_path
     with pytest.raises(UserError, match="response_format is not available for this checkpoint"):
         grammars.mask("json_object", None, False)
     with pytest.raises(UserError, match="tool_choice is not available for this checkpoint"):
-        grammars.tool_calls(TOOLS, None, "tagged", False)
+        grammars.tool_calls(TOOLS, None, False, "tagged", False)
 
 
 # Tools whose calls a random model finishes within a few tokens: every argument is bounded.
@@ -249,6 +249,9 @@ def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
                 else:
                     assert call.function.name == "clock" and isinstance(arguments["utc"], bool) and set(arguments) == {"utc"}
     assert names_seen <= {"forecast", "clock"} and "tool_calls" in ends
+    for seed in range(3):  # parallel_tool_calls false: one call, and the answer ends after it
+        answer = client.chat.completions.create(model=folder.name, messages=messages, tools=BOUNDED_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+        assert answer.choices[0].finish_reason == "tool_calls" and len(answer.choices[0].message.tool_calls) == 1
     named = {"type": "function", "function": {"name": "clock"}}
     for stream in (False, True):
         created = client.chat.completions.create(model=folder.name, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named, max_tokens=80, temperature=1.0, seed=5, stream=stream, n=2)
@@ -263,6 +266,7 @@ def test_tool_choice_required_and_named_hold_the_answer_to_calls(tool_server):
     "body, message",
     [
         ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": BOUNDED_TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls false is held only when the call is required"),
         ({"tools": BOUNDED_TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, "'weather', which is not among the tools (forecast, clock)"),
         ({"tools": BOUNDED_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one of them"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}], "tool_choice": "required"}, "uniqueItems"),
@@ -300,9 +304,11 @@ def test_a_grammar_waits_for_the_reasoning_to_close(tmp_path, think_tokens):
     assert consumed(grammars.mask("json_schema", schema, False), '{"a": 1}') and not consumed(grammars.mask("json_schema", schema, False), '{"a":1}')
     call = '<tool_call>\n{"name": "clock", "arguments": {"utc": true}}\n</tool_call>'
     for name, allowed in (("clock", True), ("forecast", True), ("weather", False)):  # 'required' chooses among the tools alone
-        assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, "tagged", False), call.replace("clock", name).split(", ")[0] + ", ") == allowed
-    assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, "tagged", True), "Which tool?</think>\n" + call + "\n" + call)
-    assert not consumed(grammars.tool_calls(BOUNDED_TOOLS, "forecast", "tagged", False), call)
+        assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, False, "tagged", False), call.replace("clock", name).split(", ")[0] + ", ") == allowed
+    assert consumed(grammars.tool_calls(BOUNDED_TOOLS, None, False, "tagged", True), "Which tool?</think>\n" + call + "\n" + call)
+    assert not consumed(grammars.tool_calls(BOUNDED_TOOLS, "forecast", True, "tagged", False), call)
+    once = grammars.tool_calls(BOUNDED_TOOLS, None, True, "tagged", False)  # parallel_tool_calls: false
+    assert consumed(once, call) and not consumed(grammars.tool_calls(BOUNDED_TOOLS, None, True, "tagged", False), call + "\n" + call)
 
 
 def test_a_complete_answer_may_end_with_any_of_the_checkpoints_end_tokens(tmp_path):
