@@ -4,7 +4,8 @@ the whole batch again (45 min for SmolLM2's default run on a 2-core CPU).
 What is saved is what the cells need: the full cache's predictions and log-probabilities, and
 each snapshot a policy resumes from (the slots in use, the recorder's query buffer, H2O's sums).
 The file carries the settings it was made with and is used only under the same ones, but for
-the policies, BeaconKV's aggregation and defaults, and the budgets (a subset will do), which the full cache does
+the policies, BeaconKV's aggregation and defaults, and the budgets (a subset will do; any, when every
+cell's cache is of other storage and so starts from the first token), which the full cache does
 not depend on: a run of other policies (an ablation) can start from another run's pass (`--full-pass`).
 """
 
@@ -19,7 +20,7 @@ from compression.config import CompressionConfig
 from compression.manager import CompressionManager, CompressionStats
 from kv.cache import KVCache
 from errors import UserError
-from evaluation.config import cells_attention_records
+from evaluation.config import cells_attention_records, split_storage
 from evaluation.runs import CPU, Run, State
 from evaluation.saving import write_atomically_with
 from models.transformer import Transformer
@@ -32,6 +33,14 @@ def save(path: Path, settings: dict, full: Run, snapshots: dict[int, State]) -> 
         "snapshots": {step: _state_to_dict(state) for step, state in snapshots.items()},
     }
     write_atomically_with(path, lambda partial: torch.save(data, partial))
+
+
+def resumed_budgets(settings: dict) -> set[int]:
+    """The budgets whose cells may resume from a snapshot: none when every policy keeps its cache
+    in other storage, since such a cache differs from the first token on."""
+    if all(split_storage(policy)[1] != "auto" for policy in settings.get("policies", ())):
+        return set()
+    return set(settings.get("budgets", ()))
 
 
 def load(
@@ -48,7 +57,7 @@ def load(
         return None
     saved, ours = _comparable(data["settings"]), _comparable(settings)
     differ = sorted(k for k in saved.keys() | ours.keys() if saved.get(k) != ours.get(k))
-    if not set(settings.get("budgets", ())) <= set(data["settings"].get("budgets", ())):
+    if not resumed_budgets(settings) <= set(data["settings"].get("budgets", ())):
         differ.append("budgets (the pass holds snapshots for its own budgets only)")
     if not all(isinstance(saved.get("received"), dict) for saved in data["snapshots"].values()):
         differ.append("format (saved before the attention received was recorded by name; it cannot be resumed)")

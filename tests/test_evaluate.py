@@ -346,6 +346,9 @@ def test_other_policies_start_from_another_runs_full_pass(tiny_folder, tmp_path,
     assert "saved with other settings (window)" in capsys.readouterr().err
     assert evaluate.main([*ablation, "--budgets", "0.2", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
     assert "budgets (the pass holds snapshots for its own budgets only)" in capsys.readouterr().err
+    quantized = [*ablation, "--policies", "streaming:kv_dtype=int8", "--budgets", "0.2"]
+    assert evaluate.main([*quantized, "--out", str(tmp_path / "quantized"), "--full-pass", str(first / "full_pass.pt")]) == 0  # starts from the first token: no snapshot needed
+    assert "full cache: loaded from" in capsys.readouterr().err
     assert evaluate.main([*ablation, "--policies", "h2o", "--out", str(third), "--full-pass", str(first / "full_pass.pt")]) == 2
     assert "this run scores by the attention received as a sum, which the pass does not record" in capsys.readouterr().err
 
