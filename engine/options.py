@@ -18,11 +18,13 @@ from engine.sampling import RowSampling, SamplingConfig
 from engine.saved_step import Saved
 from engine.speculative import Speculation, speculate
 from errors import UserError
+from kv import KV_CHANNEL_BITS
 from kv.cache import KVCache
 from kv.flash import FlashKVCache
 from kv.paged import PageConfig, PagedKVCache
 from kv.key_bias import model_key_bias
-from kv.quantized import contiguous_cache, kv_storage
+from kv.contiguous import contiguous_cache
+from kv.quantized import kv_storage
 from models.transformer import Transformer
 
 
@@ -40,11 +42,22 @@ class RunOptions:
 def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions) -> KVCache | PagedKVCache:
     """The cache kind the options ask for, `batch` rows of up to n_slots slots."""
     dtype, bits = kv_storage(options.kv_dtype, model.dtype)
+    if options.kv_dtype in KV_CHANNEL_BITS:
+        check_keeps_every_slot(options)
     if options.pages is not None:
         return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits, key_bias=partial(model_key_bias, model, device=model.device))
     if bits is None and model.device.type == "cuda":
         return FlashKVCache.allocate(model.config, batch, n_slots, dtype, model.device)
     return contiguous_cache(model, batch, n_slots, options.kv_dtype, model.device)
+
+
+def check_keeps_every_slot(options: RunOptions) -> None:
+    """Keys per channel over blocks of slots (kv/channel_keys.py) stay where they were written:
+    one clear error for what would move them or take them back."""
+    asked = {"a KV policy (--kv-policy)": options.compression.enabled, "the paged cache (--paged, --max-batch)": options.pages is not None, "--speculate": options.speculation is not None}
+    for what, given in asked.items():
+        if given:
+            raise UserError(f"--kv-dtype {options.kv_dtype} keeps keys per channel over blocks of slots, which {what} would move or take back; use per-slot codes (e.g. --kv-dtype int3 or k4v3) with it, or drop it")
 
 
 def new_policy(model: Transformer, cache: KVCache | PagedKVCache, options: RunOptions, per_row: bool = False) -> CompressionManager | PerRowManagers | None:

@@ -31,7 +31,7 @@ from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
 from evaluation.saving import beacon_defaults, check_resumable, write_atomically
 from evaluation.tasks import chat_prompt
-from kv.quantized import contiguous_cache
+from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
 from weights.forms import load_model
 from weights.tokenizer import Tokenizer
@@ -144,11 +144,11 @@ def kv_share(model: Transformer, compression: CompressionConfig, kv_dtype: str, 
     the prompt, and what is generated up to a compaction's limit) and its store, over the bytes of
     their full caches in bf16 (prompt and answer)."""
     meta = torch.device("meta")
-    per_slot = contiguous_cache(model, 1, 1, kv_dtype, meta).nbytes
     bf16_per_slot = KVCache.allocate(model.config, 1, 1, torch.bfloat16, meta).nbytes
     store = new_store(model.config, 1, compression, model.dtype, meta)
     limit = compression.slots_needed(0, max(new_tokens, default=0))  # generated slots a row holds at most
-    held = sum(p + min(n, limit) for p, n in zip(prompt_lengths, new_tokens)) * per_slot + len(new_tokens) * (store.nbytes if store else 0)
+    held = sum(contiguous_cache(model, 1, p + min(n, limit), kv_dtype, meta).nbytes for p, n in zip(prompt_lengths, new_tokens))
+    held += len(new_tokens) * (store.nbytes if store else 0)
     return held / (sum(prompt_lengths) + sum(new_tokens)) / bf16_per_slot
 
 

@@ -26,7 +26,7 @@ from kv.cache import KVCache
 from engine.sampling import SamplingConfig
 from evaluation.config import EvalConfig, cells_attention_records, split_storage
 from evaluation.tasks import Row
-from kv.quantized import contiguous_cache
+from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
 
 CPU = torch.device("cpu")

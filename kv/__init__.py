@@ -3,5 +3,6 @@
 import torch
 
 KV_BITS = {f"int{n}": (n, n) for n in (8, 4, 3, 2)} | {f"k{k}v{v}": (k, v) for k in (8, 4, 3, 2) for v in (8, 4, 3, 2) if k != v}  # --kv-dtype codes: (key bits, value bits)
+KV_CHANNEL_BITS = {f"kc{k}v{v}": (k, v) for k in (4, 3, 2) for v in (4, 3, 2)}  # --kv-dtype codes with keys per channel (kv/channel_keys.py)
 KV_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}  # --kv-dtype floats
 STORE_PAGE = 16  # demoted slots per page of the store (kv/store.py): each page has one summary, and is recalled whole

@@ -24,11 +24,10 @@ from typing import NamedTuple
 import torch
 
 from errors import UserError
-from kv import KV_BITS, KV_DTYPES
+from kv import KV_BITS, KV_CHANNEL_BITS, KV_DTYPES
 from kv.cache import KVCache, counters, sdpa
-from kv.key_bias import KeyBias, model_key_bias
+from kv.key_bias import KeyBias
 from models.config import ModelConfig
-from models.transformer import Transformer
 
 KV_GROUP = 32  # channels sharing one step and minimum (a smaller head is one group)
 
@@ -97,13 +96,14 @@ def hadamard(n: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(n)).to(device)
 
 
-def quantize(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None) -> QuantizedKV:
-    """x [..., D] (turned by `rotation` first, if any) -> codes and each group's step and minimum.
+def quantize(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None, group: int = KV_GROUP) -> QuantizedKV:
+    """x [..., D] (turned by `rotation` first, if any) -> codes and the step and minimum of each
+    group of `group` channels (or of the whole of a smaller D).
     The float16 minimum is rounded down and the step up, so every value lies in the range the
     codes span: each comes back within half a step of itself (the test's bound)."""
     levels = 2**bits - 1
     x = x.float() if rotation is None else x.float() @ rotation
-    groups = x.unflatten(-1, (-1, min(KV_GROUP, x.shape[-1])))  # [..., D / G, G]
+    groups = x.unflatten(-1, (-1, min(group, x.shape[-1])))  # [..., D / G, G]
     low, high = groups.amin(-1), groups.amax(-1)
     # float16 rounds to nearest within 2^-11 of a value (2^-25 below its normal range): push the
     # value that far out first, and the rounding cannot come back past it.
@@ -191,9 +191,11 @@ def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tu
         return model_dtype, None
     if kv_dtype in KV_BITS:
         return model_dtype, KV_BITS[kv_dtype]
+    if kv_dtype in KV_CHANNEL_BITS:
+        return model_dtype, KV_CHANNEL_BITS[kv_dtype]
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype], None
-    raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS])}")
+    raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS])}")
 
 
 def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.Tensor:
@@ -296,13 +298,3 @@ class QuantizedKVCache(KVCache):
         k, v = (kv_map(kv, lambda t: t[:, rows]) for kv in (self.k, self.v))
         key_bias = None if self.key_bias is None else self.key_bias._replace(positions=self.key_bias.positions[:, rows])
         return replace(self, k=k, v=v, length=self.length[rows], position=self.position[rows], prompt_length=self.prompt_length[rows], key_bias=key_bias)
-
-
-def contiguous_cache(model: Transformer, batch: int, n_slots: int, kv_dtype: str, device: torch.device) -> KVCache:
-    """The contiguous cache --kv-dtype asks for: floats, or codes read back in the model's dtype
-    (with the model's key bias, if any, kept out of the codes)."""
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
-    if bits is None:
-        return KVCache.allocate(model.config, batch, n_slots, dtype, device)
-    key_bias = model_key_bias(model, (batch, model.config.n_kv_heads, n_slots), device)
-    return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias)

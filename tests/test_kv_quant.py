@@ -15,7 +15,8 @@ from kv.cache import KVCache, RowsView
 from kv.paged import PageConfig, PagedKVCache, PagedView
 from errors import UserError
 from models.config import ModelConfig
-from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, contiguous_cache, dequantize, hadamard, kv_storage, pack_codes, quantize, unpack_codes
+from kv.contiguous import contiguous_cache
+from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, dequantize, hadamard, kv_storage, pack_codes, quantize, unpack_codes
 from weights.forms import load_model
 
 CPU = torch.device("cpu")

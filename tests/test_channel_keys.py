@@ -1,0 +1,129 @@
+"""Keys in codes per channel over blocks of slots (kv/channel_keys.py): each block's range is that
+of the slots it holds, checked by brute force after every write; writes of any size give the same
+codes; every path agrees; what would move its slots is refused with one clear error."""
+
+import pytest
+import torch
+
+from compression.config import CompressionConfig
+from engine.options import RunOptions, generate
+from engine.speculative import Speculation
+from errors import UserError
+from evaluation.config import split_storage
+from kv.channel_keys import BLOCK, ChannelKeysKVCache, allocate_channel_keys
+from kv.paged import PageConfig
+from kv.quantized import kv_storage
+from tests.test_kv_quant import config_of, hard_values, prompts_of
+from weights.forms import load_model
+
+CPU = torch.device("cpu")
+
+
+def written(keys: torch.Tensor, bits: int, chunks: list[int]):
+    """ChannelKeys holding keys [B, H, S, D], written chunk by chunk (sizes summing to S)."""
+    B, H, S, D = keys.shape
+    stored = allocate_channel_keys((B, H, S, D), torch.float32, bits, CPU)
+    start = 0
+    for n in chunks:
+        stored.write(keys[:, :, start : start + n], (start + torch.arange(n)).expand(B, n))
+        start += n
+    return stored
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_after_every_write_each_channel_of_each_block_spans_the_slots_it_holds(bits):
+    """After each write, every held key comes back within half a step of itself, and the step and
+    minimum of each (block, channel) are those of the held slots alone (brute force), not of the
+    zeros or older values in the slots past them."""
+    keys = hard_values(2, 2, 77, 64)  # [B, H, S, D]
+    stored = allocate_channel_keys(tuple(keys.shape), torch.float32, bits, CPU)
+    levels = 2**bits - 1
+    held = 0
+    for n in [37, 1, 1, 1, 20, 1, 16]:  # a prompt across a block's end, then steps and chunks
+        stored.write(keys[:, :, held : held + n], (held + torch.arange(n)).expand(2, n))
+        held += n
+        back = stored.read(held, torch.float32)  # [B, H, held, D]
+        for block in range(-(-held // BLOCK)):
+            span = slice(block * BLOCK, min(held, (block + 1) * BLOCK))
+            x = keys[:, :, span]  # [B, H, n, D]
+            low, high = x.amin(2), x.amax(2)  # [B, H, D]
+            step, stored_low = stored.step[:, :, block, :, 0].float(), stored.low[:, :, block, :, 0].float()
+            assert torch.all(stored_low <= low) and torch.all(stored_low >= low - low.abs() * 2**-9 - 2**-20)
+            assert torch.all(step * levels >= high - low) and torch.all(step * levels <= (high - low) * (1 + 2**-8) + 2**-20)
+            assert torch.all((back[:, :, span] - x).abs() <= step[:, :, None] / 2 * (1 + 2**-8) + 1e-6)
+
+
+def test_the_codes_do_not_depend_on_how_the_slots_were_written():
+    """Blocks are quantized again from floats at each write, so one write, a prompt and steps, or a
+    slot at a time leave the same codes."""
+    keys = hard_values(2, 2, 70, 32)
+    at_once = written(keys, 3, [70])
+    for chunks in ([33, *[1] * 37], [1] * 70, [31, 2, 30, 7]):
+        other = written(keys, 3, chunks)
+        assert torch.equal(other.read(70, torch.float32), at_once.read(70, torch.float32)), chunks
+
+
+def test_a_channel_keys_cache_holds_its_blocks_bytes():
+    """kc3v3 of a 64-channel head, 10 slots: keys in one block of 32 and one spare (each channel:
+    12 bytes of codes, a step and a minimum), the block still filling in bfloat16; values per slot."""
+    config = config_of(64, n_layers=3)
+    cache = ChannelKeysKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, (3, 3))
+    keys = 2 * 64 * (12 + 4) + BLOCK * 64 * 2
+    values = 10 * (24 + 8)
+    assert cache.nbytes == 3 * 2 * 2 * (keys + values)  # layers, rows, heads
+    assert kv_storage("kc3v3", torch.bfloat16) == (torch.bfloat16, (3, 3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_step_on_channel_keys_equals_eager(arch, tiny_checkpoint):
+    """Rows of different lengths, decoded across a block's end; qwen2's key bias stays in the codes."""
+    model = load_model(tiny_checkpoint(arch)[0], torch.float32, CPU)
+    prompts = prompts_of([7, 29], seed=2)
+    for kv_dtype in ("kc4v4", "kc3v2"):
+        eager = generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype))
+        compiled = generate(model, prompts, 12, eos_ids=frozenset(), options=RunOptions(kv_dtype=kv_dtype, compile=True))
+        assert compiled.tokens == eager.tokens, kv_dtype
+
+
+@pytest.mark.parametrize("kv_dtype", ["kc4v4", "kc2v3"])
+def test_a_prefill_attends_over_each_block_quantized_per_channel(kv_dtype, tiny_checkpoint, monkeypatch):
+    """A prompt of two whole blocks: the logits are those of a float cache holding each block's
+    keys quantized channel by channel (quantize over the block's slots, as a group) and each
+    slot's values quantized along its channels."""
+    from engine.decode import prefill
+    from kv.cache import KVCache, RowsView
+    from kv.contiguous import contiguous_cache
+    from kv.quantized import dequantize, quantize
+
+    model = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)
+    prompt = prompts_of([2 * BLOCK], seed=5)
+    key_bits, value_bits = kv_storage(kv_dtype, torch.float32)[1]
+    logits = prefill(model, contiguous_cache(model, 1, 2 * BLOCK, kv_dtype, CPU), prompt)
+    assert not torch.allclose(logits, prefill(model, KVCache.allocate(model.config, 1, 2 * BLOCK, torch.float32, CPU), prompt))  # the codes are read
+
+    def rounded_write(view, k, v, slots):  # k, v [1, H_kv, 2 * BLOCK, D]
+        blocks = k.unflatten(2, (2, BLOCK)).transpose(-1, -2)  # [1, H_kv, 2, D, BLOCK]: each channel's slots
+        view.k[:, :, : 2 * BLOCK] = dequantize(quantize(blocks, key_bits, group=BLOCK), torch.float32).transpose(-1, -2).flatten(2, 3)
+        view.v[:, :, : 2 * BLOCK] = dequantize(quantize(v, value_bits), torch.float32)
+
+    monkeypatch.setattr(RowsView, "write", rounded_write)
+    reference = prefill(model, KVCache.allocate(model.config, 1, 2 * BLOCK, torch.float32, CPU), prompt)
+    assert torch.equal(logits, reference)
+
+
+def test_what_would_move_its_slots_is_refused_with_one_clear_error(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama")[0], torch.float32, CPU)
+    prompts = prompts_of([5])
+    asked = {
+        "a KV policy": RunOptions(kv_dtype="kc3v3", compression=CompressionConfig(policy="streaming", budget=6, hysteresis=3, window=3)),
+        "the paged cache": RunOptions(kv_dtype="kc3v3", pages=PageConfig(block_size=4)),
+        "--speculate": RunOptions(kv_dtype="kc3v3", speculation=Speculation(None, 4)),
+    }
+    for what, options in asked.items():
+        with pytest.raises(UserError, match=f"--kv-dtype kc3v3 keeps keys per channel over blocks of slots, which {what}"):
+            generate(model, prompts, 4, eos_ids=frozenset(), options=options)
+    with pytest.raises(UserError, match="run it as the full cache, none:kv_dtype=kc3v3"):
+        split_storage("streaming:kv_dtype=kc3v3")
+    assert split_storage("none:kv_dtype=kc3v3") == ("none", "kc3v3")
+    with pytest.raises(UserError, match="unknown --kv-dtype 'kc8v8'"):
+        kv_storage("kc8v8", torch.float32)
