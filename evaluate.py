@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None) -> EvalConfig | HumanEvalConfig:
         "--policies",
         help=f"comma-separated (default: all; --quick: {','.join(QUICK_POLICIES)}); the full cache, 'none', always runs as the reference. "
         f"A BeaconKV variant, for an ablation against plain BeaconKV: beacon:OPTION=VALUE[:OPTION=VALUE], OPTION one of {', '.join(VARIANT_OPTIONS)}; "
-        f"any policy with a store ({', '.join(STORE_OPTIONS)}) or its cache in other storage (kv_dtype=int8|int4|bf16|f16|f32), e.g. "
-        "streaming:kv_dtype=int4:store_slots=256; the full cache in other storage: none:kv_dtype=int4",
+        f"any policy with a store ({', '.join(STORE_OPTIONS)}) or its cache in other storage (any --kv-dtype but kcNvM, e.g. int4, k4v3, bf16), e.g. "
+        "streaming:kv_dtype=int4:store_slots=256; the full cache in other storage: none:kv_dtype=int4 (or kcNvM, keys per channel, e.g. none:kv_dtype=kc3v3)",
     )
     p.add_argument("--budgets", help="comma-separated generated tokens kept by a compaction; for retrieval a number below 1 is a fraction of --length (default retrieval 0.05,0.1,0.25, --quick 0.1; humaneval 16,32,64, --quick 16)")
     p.add_argument("--hysteresis", type=int, help="compact when the kept part exceeds budget + this (default 16; --quick: 8)")

@@ -109,7 +109,7 @@ def evaluate(config: EvalConfig, on_progress: Callable[[Results], None] | None =
             config.out.mkdir(parents=True, exist_ok=True)
             full_pass.save(own, settings, *passed)
         else:
-            log(f"  full cache: loaded from {source}, which a run with the same settings saved")
+            log(f"  full cache: loaded from {source}, which a run of the same full cache saved")
         run_all(model, batch, config, on_run, done, config.sizes.attention_every, passed)
     return results
 
