@@ -21,7 +21,7 @@ import torch
 
 from errors import UserError
 from kv.cache import KVCache, counters, sdpa
-from kv.quantized import KV, QuantizedKV, allocate_kv, dequantize, kv_map, kv_nbytes, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, quantize
+from kv.quantized import KV, QuantizedKV, allocate_kv, dequantize, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, quantize
 from models.config import ModelConfig
 
 BLOCK = 32  # slots whose keys share each channel's step and minimum
@@ -124,11 +124,8 @@ class ChannelKeysKVCache(KVCache):
         return tuple(kv_shape(self.v))
 
     def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (its bytes); the keys' blocks are not indexed by slot, and nothing compacts them."""
         return self.k.parts + kv_parts(self.v)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.k.parts) + kv_nbytes(self.v)
 
     def layers(self, n_slots: int | None) -> list[ChannelKeysView]:
         n = self.n_slots if n_slots is None else n_slots
@@ -143,8 +140,8 @@ class ChannelKeysKVCache(KVCache):
         return self.k.read(self.n_slots, self.dtype)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.all_keys()
-        return keys.gather(3, slots[..., None].expand(*slots.shape, keys.shape[-1])), kv_read(self.v, self.dtype).gather(3, slots[..., None].expand(*slots.shape, keys.shape[-1]))
+        index = slots[..., None].expand(*slots.shape, self.k.tail.shape[-1])  # [L, B, H_kv, E, D]
+        return self.all_keys().gather(3, index), kv_read(self.v, self.dtype).gather(3, index)
 
     def compact(self, buffers: list[torch.Tensor], prompt_length: torch.Tensor, keep: torch.Tensor, n_candidates: int, window: int) -> None:
         raise UserError("a cache with keys per channel (--kv-dtype kcNvM) keeps every slot; a KV policy needs per-slot codes, e.g. --kv-dtype int3")

@@ -127,3 +127,21 @@ def test_what_would_move_its_slots_is_refused_with_one_clear_error(tiny_checkpoi
     assert split_storage("none:kv_dtype=kc3v3") == ("none", "kc3v3")
     with pytest.raises(UserError, match="unknown --kv-dtype 'kc8v8'"):
         kv_storage("kc8v8", torch.float32)
+
+
+def test_a_policy_reads_the_written_keys_and_values_back():
+    """keys(), all_keys() and gather() (what compression reads) give the written keys and values
+    back within a step of their codes, at the slots asked for."""
+    config = config_of(32, n_layers=2)
+    cache = ChannelKeysKVCache.allocate(config, 1, 40, torch.float32, CPU, (4, 4))
+    k, v = hard_values(2, 2, 1, 2, 40, 32).unbind(0)  # each [L, B, H_kv, S, D]
+    for layer, view in enumerate(cache.layers(None)):
+        view.write(k[layer], v[layer], torch.arange(40)[None])
+    span = (k.amax(3, keepdim=True) - k.amin(3, keepdim=True)).amax(-2, keepdim=True) / 15  # a key step's bound, per channel
+    assert torch.all((cache.all_keys() - k).abs() <= span)
+    assert torch.equal(cache.keys(1, 40), cache.all_keys()[1])
+    slots = torch.tensor([3, 31, 32, 39]).expand(2, 1, 2, 4)  # [L, B, H_kv, E]
+    keys, values = cache.gather(slots)
+    assert torch.equal(keys, cache.all_keys()[:, :, :, [3, 31, 32, 39]])
+    value_span = (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / 15
+    assert torch.all((values - v[:, :, :, [3, 31, 32, 39]]).abs() <= value_span[:, :, :, [3, 31, 32, 39]])
