@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN_RUN_CEILING = 2_917
-DEFAULT_RUN_CEILING = 3_406
+DEFAULT_RUN_CEILING = 3_407
 
 # Runs generate.py in this process and, at exit, writes the project's loaded files and their lines.
 COUNTER = """
