@@ -7,11 +7,19 @@ minimum per channel over BLOCK slots follow each channel's own range, so that ke
 what per-slot groups keep at 4 (docs/quantization.md).
 
 Each (layer, row, KV head) splits its slots into blocks of BLOCK. A write quantizes again every
-block it touches: the block still filling is kept in floats as well (`tail`), and quantized from
-them, over the slots it holds so far. So every read is of codes, a block's range is that of what
-it holds, and a block is rounded from floats each time, never from its own codes. A compaction
-would move slots between blocks and round them again, so this cache keeps every slot: a KV policy
-and the paged cache refuse it (engine/options.py).
+block it touches: the block of the row's last slot is kept in floats as well (`tail`), and each
+block is quantized from floats over the slots it holds so far. So every read is of codes, a
+block's range is that of what it holds, and a key is rounded once.
+
+A prefill of rows of different lengths writes each row's padding after its real slots. If the
+padding ran into a later block, the tail holds that block, so the row's next write takes its own
+last block back from the codes: those keys are rounded a second time, within half a step of the
+old block and half of the new one.
+
+A compaction would move slots between blocks, whose steps and minima belong to the slots they
+held, so every kept key would be rounded again at each compaction (docs/quantization.md measures
+the drift). This cache keeps every slot: a KV policy, the paged cache and speculative decoding
+refuse it (engine/options.py).
 """
 
 from dataclasses import dataclass, replace
@@ -34,42 +42,57 @@ class ChannelKeys(NamedTuple):
     codes: torch.Tensor  # [..., NB, D, BLOCK * bits // 8] uint8: each channel's codes, slot by slot
     step: torch.Tensor  # [..., NB, D, 1] float16
     low: torch.Tensor  # [..., NB, D, 1] float16, at or below each channel's values in the block
-    tail: torch.Tensor  # [..., BLOCK, D] the floats of each row's last block, the one still filling
+    tail: torch.Tensor  # [..., BLOCK, D] the floats of the block of the last slot written
+    tail_block: torch.Tensor  # [...] int64: which block the tail is
     bits: int
 
     def map(self, fn) -> "ChannelKeys":
-        return ChannelKeys(fn(self.codes), fn(self.step), fn(self.low), fn(self.tail), self.bits)
+        return ChannelKeys(*(fn(part) for part in self.parts), self.bits)
 
     @property
     def parts(self) -> list[torch.Tensor]:
-        return [self.codes, self.step, self.low, self.tail]
+        return [self.codes, self.step, self.low, self.tail, self.tail_block]
+
+    def blocks(self) -> QuantizedKV:
+        return QuantizedKV(self.codes, self.step, self.low, self.bits)
 
     def read(self, n_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_slots keys [..., n_slots, D] in `dtype`. Every block is dequantized: a count
         of blocks that follows n_slots would be one more size for a compiled step to guard on."""
-        blocks = QuantizedKV(self.codes, self.step, self.low, self.bits)
-        return dequantize(blocks, dtype).transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., NB, D, BLOCK] -> [..., S, D]
+        return dequantize(self.blocks(), dtype).transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., NB, D, BLOCK] -> [..., S, D]
 
     def write(self, k: torch.Tensor, slots: torch.Tensor) -> None:
         """The keys k [B, H_kv, T, D] into the slots [B, T] (consecutive in each row, from the
         row's length), every block they touch quantized again with the slots it holds."""
         B, H, T, D = k.shape
         n = (2 * BLOCK - 2 + T) // BLOCK  # the most blocks T consecutive slots can touch
-        first = slots[:, :1] // BLOCK  # [B, 1] the block the write starts in
-        work = torch.zeros(B, H, n * BLOCK, D, dtype=torch.float32, device=k.device)
-        work[:, :, :BLOCK] = self.tail.float()  # the first block's slots written before
+        first = slots[:, 0] // BLOCK  # [B] the block the write starts in
         rows = torch.arange(B, device=k.device)[:, None]  # [B, 1]
-        work[rows, :, slots - first * BLOCK] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
-        held = torch.arange(n * BLOCK, device=k.device) < (slots[:, -1:] + 1 - first * BLOCK)  # [B, n * BLOCK]
-        blocks = work.unflatten(2, (n, BLOCK))  # [B, H_kv, n, BLOCK, D]
+        in_codes = dequantize(self.blocks().map(lambda t: t[rows[:, 0], :, first]), torch.float32).transpose(-1, -2)  # [B, H_kv, BLOCK, D]
+        kept = (self.tail_block == first[:, None])[..., None, None]  # [B, H_kv, 1, 1]: the tail is this block (not a padded prefill's later one)
+        work = torch.zeros(B, H, n * BLOCK, D, dtype=torch.float32, device=k.device)
+        work[:, :, :BLOCK] = torch.where(kept, self.tail.float(), in_codes)  # the first block's slots written before
+        work[rows, :, slots - first[:, None] * BLOCK] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
+        held = torch.arange(n * BLOCK, device=k.device) < (slots[:, -1:] + 1 - first[:, None] * BLOCK)  # [B, n * BLOCK]
+        self.store(work, held, first)
+
+    def store(self, keys: torch.Tensor, held: torch.Tensor, first: torch.Tensor) -> None:
+        """Quantize the keys [B, H_kv, n * BLOCK, D] (floats) as the n blocks from block first [B]
+        of each row, over the slots held [B, n * BLOCK]; the block of each row's last held slot
+        becomes its tail."""
+        B = keys.shape[0]
+        blocks = keys.unflatten(2, (-1, BLOCK))  # [B, H_kv, n, BLOCK, D]
+        n = blocks.shape[2]
         # A slot not held takes the value of its block's first slot, so the block's range is that of what it holds.
         blocks = torch.where(held.view(B, 1, n, BLOCK, 1), blocks, blocks[:, :, :, :1])
         new = quantize(blocks.transpose(-1, -2), self.bits, group=BLOCK)  # per channel: codes [B, H_kv, n, D, BLOCK * bits // 8]
-        ids = first + torch.arange(n, device=k.device)  # [B, n]
+        rows = torch.arange(B, device=keys.device)[:, None]  # [B, 1]
+        ids = first[:, None] + torch.arange(n, device=keys.device)  # [B, n]
         for part, value in zip((self.codes, self.step, self.low), new.parts):
             part[rows, :, ids] = value.transpose(1, 2)  # [B, n, H_kv, D, ...] into [B, n]
-        last = (slots[:, -1] // BLOCK - first[:, 0]).view(B, 1, 1, 1, 1).expand(B, H, 1, BLOCK, D)
-        self.tail.copy_(blocks.gather(2, last)[:, :, 0])
+        last = (held.sum(1) - 1) // BLOCK  # [B] the block of each row's last held slot, counted from first
+        self.tail.copy_(blocks[rows[:, 0], :, last])
+        self.tail_block.copy_((first + last)[:, None].expand_as(self.tail_block))
 
 
 def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int, device: torch.device) -> ChannelKeys:
@@ -82,6 +105,7 @@ def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int,
         torch.zeros(*blocks, 1, dtype=torch.float16, device=device),
         torch.zeros(*blocks, 1, dtype=torch.float16, device=device),
         torch.zeros(*lead, BLOCK, D, dtype=dtype, device=device),
+        torch.zeros(*lead, dtype=torch.int64, device=device),
         bits,
     )
 

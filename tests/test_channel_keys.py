@@ -65,10 +65,11 @@ def test_the_codes_do_not_depend_on_how_the_slots_were_written():
 
 def test_a_channel_keys_cache_holds_its_blocks_bytes():
     """kc3v3 of a 64-channel head, 10 slots: keys in one block of 32 and one spare (each channel:
-    12 bytes of codes, a step and a minimum), the block still filling in bfloat16; values per slot."""
+    12 bytes of codes, a step and a minimum), the tail's floats in bfloat16 and its block's number
+    (int64); values per slot."""
     config = config_of(64, n_layers=3)
     cache = ChannelKeysKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, (3, 3))
-    keys = 2 * 64 * (12 + 4) + BLOCK * 64 * 2
+    keys = 2 * 64 * (12 + 4) + BLOCK * 64 * 2 + 8
     values = 10 * (24 + 8)
     assert cache.nbytes == 3 * 2 * 2 * (keys + values)  # layers, rows, heads
     assert kv_storage("kc3v3", torch.bfloat16) == (torch.bfloat16, (3, 3))
@@ -145,3 +146,23 @@ def test_a_policy_reads_the_written_keys_and_values_back():
     assert torch.equal(keys, cache.all_keys()[:, :, :, [3, 31, 32, 39]])
     value_span = (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / 15
     assert torch.all((values - v[:, :, :, [3, 31, 32, 39]]).abs() <= value_span[:, :, :, [3, 31, 32, 39]])
+
+
+def test_a_row_padded_past_its_block_takes_its_last_block_back_from_the_codes():
+    """A prefill of rows of different lengths writes the short row's padding into later blocks, so
+    the tail holds the padding's last block. The short row's next write starts in its own last
+    block, whose earlier slots must be its own keys: taken back from the codes, within half a step
+    of the prefill's block and half of the block quantized again."""
+    B, H, D = 2, 2, 32
+    keys = hard_values(B, H, 2 * BLOCK + 10, D)  # [B, H, S, D]; row 0 holds 5 real keys and then padding
+    stored = allocate_channel_keys(tuple(keys.shape), torch.float32, 4, CPU)
+    T = 2 * BLOCK + 9
+    stored.write(keys[:, :, :T], torch.arange(T).expand(B, T))
+    step_before = stored.step[0, :, 0, :, 0].float().clone()  # [H, D] row 0's first block, padding in its range
+    new = torch.stack([keys[0, :, 5], keys[1, :, T]])[:, :, None]  # [B, H, 1, D]
+    stored.write(new, torch.tensor([[5], [T]]))
+    truth = torch.cat([keys[0, :, :5], keys[0, :, 5:6]], 1)  # [H, 6, D] row 0's real keys
+    step_after = stored.step[0, :, 0, :, 0].float()
+    back = stored.read(6, torch.float32)[0]  # [H, 6, D]
+    assert torch.all((back - truth).abs() <= (step_before + step_after)[:, None] / 2 * (1 + 2**-8) + 1e-6)
+    assert torch.equal(stored.tail_block, torch.tensor([[0, 0], [2, 2]]))
