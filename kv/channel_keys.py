@@ -74,23 +74,14 @@ class ChannelKeys(NamedTuple):
         work[:, :, :BLOCK] = torch.where(kept, self.tail.float(), in_codes)  # the first block's slots written before
         work[rows, :, slots - first[:, None] * BLOCK] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
         held = torch.arange(n * BLOCK, device=k.device) < (slots[:, -1:] + 1 - first[:, None] * BLOCK)  # [B, n * BLOCK]
-        self.store(work, held, first)
-
-    def store(self, keys: torch.Tensor, held: torch.Tensor, first: torch.Tensor) -> None:
-        """Quantize the keys [B, H_kv, n * BLOCK, D] (floats) as the n blocks from block first [B]
-        of each row, over the slots held [B, n * BLOCK]; the block of each row's last held slot
-        becomes its tail."""
-        B = keys.shape[0]
-        blocks = keys.unflatten(2, (-1, BLOCK))  # [B, H_kv, n, BLOCK, D]
-        n = blocks.shape[2]
+        blocks = work.unflatten(2, (n, BLOCK))  # [B, H_kv, n, BLOCK, D]
         # A slot not held takes the value of its block's first slot, so the block's range is that of what it holds.
         blocks = torch.where(held.view(B, 1, n, BLOCK, 1), blocks, blocks[:, :, :, :1])
         new = quantize(blocks.transpose(-1, -2), self.bits, group=BLOCK)  # per channel: codes [B, H_kv, n, D, BLOCK * bits // 8]
-        rows = torch.arange(B, device=keys.device)[:, None]  # [B, 1]
-        ids = first[:, None] + torch.arange(n, device=keys.device)  # [B, n]
+        ids = first[:, None] + torch.arange(n, device=k.device)  # [B, n]
         for part, value in zip((self.codes, self.step, self.low), new.parts):
             part[rows, :, ids] = value.transpose(1, 2)  # [B, n, H_kv, D, ...] into [B, n]
-        last = (held.sum(1) - 1) // BLOCK  # [B] the block of each row's last held slot, counted from first
+        last = slots[:, -1] // BLOCK - first  # [B] the block of each row's last slot, counted from first
         self.tail.copy_(blocks[rows[:, 0], :, last])
         self.tail_block.copy_((first + last)[:, None].expand_as(self.tail_block))
 

@@ -12,7 +12,7 @@ never compacted, by how many compactions the key has been through.
 
 import torch
 
-from kv.channel_keys import allocate_channel_keys
+from kv.channel_keys import BLOCK, allocate_channel_keys
 
 HEADS, CHANNELS, SINKS, CANDIDATES, WINDOW, DROPPED, BITS = 2, 64, 4, 256, 16, 16, 4
 
@@ -22,7 +22,7 @@ def stored(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     S = keys.shape[2]
     codes = allocate_channel_keys(tuple(keys.shape), torch.float32, BITS, torch.device("cpu"))
     codes.write(keys, torch.arange(S)[None])
-    step = codes.step[..., 0].float().repeat_interleave(32, dim=2)[:, :, :S]  # [1, H, NB, D] -> [1, H, S, D]
+    step = codes.step[..., 0].float().repeat_interleave(BLOCK, dim=2)[:, :, :S]  # [1, H, NB, D] -> [1, H, S, D]
     return codes.read(S, torch.float32), step
 
 
