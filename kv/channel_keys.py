@@ -11,11 +11,6 @@ block it touches: the block of the row's last slot is kept in floats as well (`t
 block is quantized from floats over the slots it holds so far. So every read is of codes, a
 block's range is that of what it holds, and a key is rounded once.
 
-A row's first key is the attention sink: nearly every query attends to it, so its rounding error
-reaches them all, and in some channels it lies far from the keys beside it, so in the first
-block's range it would coarsen their steps. It is kept in floats instead (`first_key`, one slot
-per row and KV head) and stays out of the range (docs/quantization.md measures both).
-
 A prefill of rows of different lengths writes each row's padding after its real slots. If the
 padding ran into a later block, the tail holds that block, so the row's next write takes its own
 last block back from the codes: those keys are rounded a second time, within half a step of the
@@ -49,7 +44,6 @@ class ChannelKeys(NamedTuple):
     low: torch.Tensor  # [..., NB, D, 1] float16, at or below each channel's values in the block
     tail: torch.Tensor  # [..., BLOCK, D] the floats of the block of the last slot written
     tail_block: torch.Tensor  # [...] int64: which block the tail is
-    first_key: torch.Tensor  # [..., D] the row's first key (slot 0), in floats and out of its block's range
     bits: int
 
     def map(self, fn) -> "ChannelKeys":
@@ -57,7 +51,7 @@ class ChannelKeys(NamedTuple):
 
     @property
     def parts(self) -> list[torch.Tensor]:
-        return [self.codes, self.step, self.low, self.tail, self.tail_block, self.first_key]
+        return [self.codes, self.step, self.low, self.tail, self.tail_block]
 
     def blocks(self) -> QuantizedKV:
         return QuantizedKV(self.codes, self.step, self.low, self.bits)
@@ -65,9 +59,7 @@ class ChannelKeys(NamedTuple):
     def read(self, n_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_slots keys [..., n_slots, D] in `dtype`. Every block is dequantized: a count
         of blocks that follows n_slots would be one more size for a compiled step to guard on."""
-        blocks = dequantize(self.blocks(), dtype)  # [..., NB, D, BLOCK]
-        blocks[..., 0, :, 0] = self.first_key.to(dtype)
-        return blocks.transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., S, D]
+        return dequantize(self.blocks(), dtype).transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., NB, D, BLOCK] -> [..., S, D]
 
     def write(self, k: torch.Tensor, slots: torch.Tensor) -> None:
         """The keys k [B, H_kv, T, D] into the slots [B, T] (consecutive in each row, from the
@@ -81,21 +73,17 @@ class ChannelKeys(NamedTuple):
         work = torch.zeros(B, H, n * BLOCK, D, dtype=torch.float32, device=k.device)
         work[:, :, :BLOCK] = torch.where(kept, self.tail.float(), in_codes)  # the first block's slots written before
         work[rows, :, slots - first[:, None] * BLOCK] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
-        at = first[:, None] * BLOCK + torch.arange(n * BLOCK, device=k.device)  # [B, n * BLOCK] each work slot's slot
-        in_range = (at <= slots[:, -1:]) & (at > 0)  # [B, n * BLOCK] held, and not the row's first key
+        held = torch.arange(n * BLOCK, device=k.device) < (slots[:, -1:] + 1 - first[:, None] * BLOCK)  # [B, n * BLOCK]
         blocks = work.unflatten(2, (n, BLOCK))  # [B, H_kv, n, BLOCK, D]
-        ids = first[:, None] + torch.arange(n, device=k.device)  # [B, n]
-        # A slot out of the range takes the value of one in it (the first, or the second in block 0), so the block's range is that of the keys it holds.
-        fill = torch.where((ids == 0).view(B, 1, n, 1, 1), blocks[:, :, :, 1:2], blocks[:, :, :, :1])  # [B, H_kv, n, 1, D]
-        blocks = torch.where(in_range.view(B, 1, n, BLOCK, 1), blocks, fill)
+        # A slot not held takes the value of its block's first slot, so the block's range is that of what it holds.
+        blocks = torch.where(held.view(B, 1, n, BLOCK, 1), blocks, blocks[:, :, :, :1])
         new = quantize(blocks.transpose(-1, -2), self.bits, group=BLOCK)  # per channel: codes [B, H_kv, n, D, BLOCK * bits // 8]
+        ids = first[:, None] + torch.arange(n, device=k.device)  # [B, n]
         for part, value in zip((self.codes, self.step, self.low), new.parts):
             part[rows, :, ids] = value.transpose(1, 2)  # [B, n, H_kv, D, ...] into [B, n]
         last = slots[:, -1] // BLOCK - first  # [B] the block of each row's last slot, counted from first
         self.tail.copy_(blocks[rows[:, 0], :, last])
         self.tail_block.copy_((first + last)[:, None].expand_as(self.tail_block))
-        starts = (slots[:, 0] == 0)[:, None, None]  # [B, 1, 1]
-        self.first_key.copy_(torch.where(starts, k[:, :, 0].to(self.first_key.dtype), self.first_key))
 
 
 def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int, device: torch.device) -> ChannelKeys:
@@ -109,7 +97,6 @@ def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int,
         torch.zeros(*blocks, 1, dtype=torch.float16, device=device),
         torch.zeros(*lead, BLOCK, D, dtype=dtype, device=device),
         torch.zeros(*lead, dtype=torch.int64, device=device),
-        torch.zeros(*lead, D, dtype=dtype, device=device),
         bits,
     )
 

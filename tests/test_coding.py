@@ -107,9 +107,9 @@ def test_a_cells_kv_bytes_count_each_rows_slots_and_store_against_its_full_bf16_
     with_store = replace(streaming, store_slots=16, recall_pages=1)
     assert kv_share(model, with_store, "bf16", [10, 20], [5, 40]) == (48 * bf16_slot + 2 * store) / (75 * bf16_slot)
     # kc3v3 keeps 15 and 60 slots: keys in 1 + 1 and 2 + 1 blocks of 32 (each channel 12 bytes of
-    # codes, a step and a minimum), the block filling in float32 and its block's number (int64),
-    # the first key in float32; values 6 bytes of codes and 4 of scales
-    rows = [blocks * D * (12 + 4) + 32 * D * 4 + 8 + D * 4 + slots * (6 + 4) for blocks, slots in ((2, 15), (3, 60))]
+    # codes, a step and a minimum), the block filling in float32 and its block's number (int64);
+    # values 6 bytes of codes and 4 of scales
+    rows = [blocks * D * (12 + 4) + 32 * D * 4 + 8 + slots * (6 + 4) for blocks, slots in ((2, 15), (3, 60))]
     assert kv_share(model, CompressionConfig(), "kc3v3", [10, 20], [5, 40]) == L * H_kv * sum(rows) / (75 * bf16_slot)
 
 
