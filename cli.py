@@ -12,7 +12,7 @@ import torch
 from compression.config import AGGREGATIONS, POLICIES, STORE_DROPS, CompressionConfig
 from engine.sampling import SamplingConfig
 from errors import UserError
-from kv import KV_BITS, KV_CHANNEL_BITS, KV_DTYPES
+from kv import KV_BITS, KV_CHANNEL_CODES, KV_DTYPES
 from models.linear import NATIVE_CPU_MATMUL
 from models import GGUF_GROUP, GROUP_SIZES, QUANT_MODES
 from weights.loader import stored_dtype, stored_quantized
@@ -85,8 +85,8 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-prefix-tail", type=int, default=d.prefix_tail, help="with --kv-prefix-budget: the prompt's last tokens (the question), kept whole")
     g.add_argument("--kv-heads-agree", type=int, default=d.heads_agree, help="BeaconKV: a key scores its n-th most interested query head of the KV group (1: the best)")
     g.add_argument(
-        "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS], default="auto", metavar="KV_DTYPE",
-        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32; or codes with a float16 step and minimum per 32 channels of each token: int8, int4, int3, int2 (keys and values alike), kNvM (keys in N bits, values in M; N, M of 8, 4, 3, 2), e.g. k4v3 (kv/quantized.py); or kcNvM, keys per channel over blocks of 32 tokens (N, M of 4, 3, 2), e.g. kc3v3, for a cache that keeps every token (kv/channel_keys.py)",
+        "--kv-dtype", choices=["auto", *KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES], default="auto", metavar="KV_DTYPE",
+        help="how the cache stores keys and values: auto (the model's --dtype), bf16, f16, f32; or codes with a float16 step and minimum per 32 channels of each token: int8, int4, int3, int2 (keys and values alike), kNvM (keys in N bits, values in M; N, M of 8, 4, 3, 2), e.g. k4v3 (kv/quantized.py); or kcNvM, keys per channel over blocks of 32 tokens (N, M of 4, 3, 2), e.g. kc3v3, for a cache that keeps every token (kv/channel_keys.py); kcNvMg64: blocks of 64 tokens and values in groups of 64 channels, e.g. kc4v3g64",
     )
     g.add_argument("--kv-store", type=int, default=d.store_slots, metavar="SLOTS", help="demote what a policy evicts into a store of this many slots (pages of 16), which each decode step recalls from (0: eviction is final)")
     g.add_argument("--kv-store-dtype", choices=[*KV_DTYPES, *KV_BITS], default=d.store_dtype, metavar="KV_DTYPE", help="how the store holds keys and values (as --kv-dtype)")

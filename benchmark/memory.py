@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kv.channel_keys import BLOCK
+from kv import CHANNEL_GROUPS
 from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
 
@@ -52,10 +52,11 @@ def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: 
     # The LM head is read in full even when it is the embedding table; the table as an embedding
     # is only gathered from, one row per batch row.
     weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
-    # What BLOCK more slots cost, per slot: codes and scales included, a cache's fixed part not
-    # (kv/channel_keys.py's block still filling), and the same for every storage.
+    # What a whole number of key blocks more costs, per slot: codes and scales included, a cache's
+    # fixed part not (kv/channel_keys.py's block still filling), and the same for every storage.
+    block = max(CHANNEL_GROUPS.values())
     size = lambda n_slots: contiguous_cache(model, 1, n_slots, kv_dtype, torch.device("meta")).nbytes
-    kv_bytes_per_slot = (size(2 * BLOCK) - size(BLOCK)) // BLOCK
+    kv_bytes_per_slot = (size(2 * block) - size(block)) // block
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;
     # over the new_tokens - 1 steps that averages to prompt_len + new_tokens / 2.
     return DecodeTraffic(batch, weight_bytes, kv_bytes_per_slot, prompt_len + new_tokens / 2)

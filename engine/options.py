@@ -18,7 +18,7 @@ from engine.sampling import RowSampling, SamplingConfig
 from engine.saved_step import Saved
 from engine.speculative import Speculation, speculate
 from errors import UserError
-from kv import KV_CHANNEL_BITS
+from kv import KV_CHANNEL_CODES
 from kv.cache import KVCache
 from kv.flash import FlashKVCache
 from kv.paged import PageConfig, PagedKVCache
@@ -42,7 +42,7 @@ class RunOptions:
 def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions) -> KVCache | PagedKVCache:
     """The cache kind the options ask for, `batch` rows of up to n_slots slots."""
     dtype, bits = kv_storage(options.kv_dtype, model.dtype)
-    if options.kv_dtype in KV_CHANNEL_BITS:
+    if options.kv_dtype in KV_CHANNEL_CODES:
         check_keeps_every_slot(options)
     if options.pages is not None:
         return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits, key_bias=partial(model_key_bias, model, device=model.device))

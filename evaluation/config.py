@@ -8,7 +8,7 @@ from pathlib import Path
 from compression.config import CompressionConfig
 from compression.received_attention import attention_records
 from errors import UserError
-from kv import KV_BITS, KV_CHANNEL_BITS, KV_DTYPES
+from kv import KV_BITS, KV_CHANNEL_CODES, KV_DTYPES
 
 TASKS = ("retrieval", "attention", "loss", "continuation", "cost")
 
@@ -99,9 +99,9 @@ def split_storage(spec: str) -> tuple[str, str]:
         option, _, value = setting.partition("=")
         if option != "kv_dtype":
             kept.append(setting)
-        elif value not in (*KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS):
-            raise UserError(f"policy {spec!r}: kv_dtype={value} is not a KV storage; choose one of {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS])}")
-        elif value in KV_CHANNEL_BITS and name != "none":
+        elif value not in (*KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES):
+            raise UserError(f"policy {spec!r}: kv_dtype={value} is not a KV storage; choose one of {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES])}")
+        elif value in KV_CHANNEL_CODES and name != "none":
             raise UserError(f"policy {spec!r}: kv_dtype={value} keeps keys per channel over blocks of slots, which no policy can compact; run it as the full cache, none:kv_dtype={value}")
         else:
             kv_dtype = value

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from cli import DTYPE_HELP, DTYPES, add_quant_args, checkpoint_and_quant, pick_dtype
 from engine.decode import prefill
 from errors import UserError, run_command
-from kv import KV_BITS, KV_CHANNEL_BITS, KV_DTYPES
+from kv import KV_BITS, KV_CHANNEL_CODES, KV_DTYPES
 from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
 from weights.forms import load_model
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=512, help="tokens per prefill; each starts from an empty cache")
     p.add_argument("--gguf", type=Path, help="also score the texts with llama.cpp on this GGUF file")
     p.add_argument(
-        "--kv-dtype", action="append", choices=["auto", *KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS], metavar="KV_DTYPE",
+        "--kv-dtype", action="append", choices=["auto", *KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES], metavar="KV_DTYPE",
         help="how the engine's cache stores keys and values (as generate.py's; repeatable: each is scored; default auto, the model's dtype)",
     )
     add_quant_args(p)

@@ -3,10 +3,11 @@ its values in codes per slot as in kv/quantized.py. `--kv-dtype kcNvM`: keys in 
 
 A key's channels differ in range far more than its slots do: a few channels are large in every
 slot (Qwen2's key bias among them). A per-slot group has to span those channels; a step and a
-minimum per channel over BLOCK slots follow each channel's own range, so that keys keep at 3 bits
-what per-slot groups keep at 4 (docs/quantization.md).
+minimum per channel over a block of slots follow each channel's own range, so that keys keep at 3 bits
+what per-slot groups keep at 4 (docs/quantization.md). A block holds 32 slots, and the values' groups
+32 channels; `kcNvMg64` makes both 64, which spends half a bit less per element on each.
 
-Each (layer, row, KV head) splits its slots into blocks of BLOCK. A write quantizes again every
+Each (layer, row, KV head) splits its slots into blocks. A write quantizes again every
 block it touches: the block of the row's last slot is kept in floats as well (`tail`), and each
 block is quantized from floats over the slots it holds so far. So every read is of codes, a
 block's range is that of what it holds, and a key is rounded once.
@@ -32,17 +33,14 @@ from kv.cache import KVCache, counters, sdpa
 from kv.quantized import KV, QuantizedKV, allocate_kv, dequantize, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, quantize
 from models.config import ModelConfig
 
-BLOCK = 32  # slots whose keys share each channel's step and minimum
-
-
 class ChannelKeys(NamedTuple):
-    """Keys in codes per channel over blocks of BLOCK slots. One spare block past the last follows,
+    """Keys in codes per channel over blocks of `block` slots. One spare block past the last follows,
     so that a write may quantize every block it could reach without knowing where it ends."""
 
-    codes: torch.Tensor  # [..., NB, D, BLOCK * bits // 8] uint8: each channel's codes, slot by slot
+    codes: torch.Tensor  # [..., NB, D, block * bits // 8] uint8: each channel's codes, slot by slot
     step: torch.Tensor  # [..., NB, D, 1] float16
     low: torch.Tensor  # [..., NB, D, 1] float16, at or below each channel's values in the block
-    tail: torch.Tensor  # [..., BLOCK, D] the floats of the block of the last slot written
+    tail: torch.Tensor  # [..., block, D] the floats of the block of the last slot written
     tail_block: torch.Tensor  # [...] int64: which block the tail is
     bits: int
 
@@ -53,49 +51,55 @@ class ChannelKeys(NamedTuple):
     def parts(self) -> list[torch.Tensor]:
         return [self.codes, self.step, self.low, self.tail, self.tail_block]
 
+    @property
+    def block(self) -> int:
+        """The slots whose keys share each channel's step and minimum."""
+        return self.tail.shape[-2]
+
     def blocks(self) -> QuantizedKV:
         return QuantizedKV(self.codes, self.step, self.low, self.bits)
 
     def read(self, n_slots: int, dtype: torch.dtype) -> torch.Tensor:
         """The first n_slots keys [..., n_slots, D] in `dtype`. Every block is dequantized: a count
         of blocks that follows n_slots would be one more size for a compiled step to guard on."""
-        return dequantize(self.blocks(), dtype).transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., NB, D, BLOCK] -> [..., S, D]
+        return dequantize(self.blocks(), dtype).transpose(-1, -2).flatten(-3, -2)[..., :n_slots, :]  # [..., NB, D, block] -> [..., S, D]
 
     def write(self, k: torch.Tensor, slots: torch.Tensor) -> None:
         """The keys k [B, H_kv, T, D] into the slots [B, T] (consecutive in each row, from the
         row's length), every block they touch quantized again with the slots it holds."""
         B, H, T, D = k.shape
-        n = (2 * BLOCK - 2 + T) // BLOCK  # the most blocks T consecutive slots can touch
-        first = slots[:, 0] // BLOCK  # [B] the block the write starts in
+        G = self.block  # slots per block
+        n = (2 * G - 2 + T) // G  # the most blocks T consecutive slots can touch
+        first = slots[:, 0] // G  # [B] the block the write starts in
         rows = torch.arange(B, device=k.device)[:, None]  # [B, 1]
-        in_codes = dequantize(self.blocks().map(lambda t: t[rows[:, 0], :, first]), torch.float32).transpose(-1, -2)  # [B, H_kv, BLOCK, D]
+        in_codes = dequantize(self.blocks().map(lambda t: t[rows[:, 0], :, first]), torch.float32).transpose(-1, -2)  # [B, H_kv, G, D]
         kept = (self.tail_block == first[:, None])[..., None, None]  # [B, H_kv, 1, 1]: the tail is this block (not a padded prefill's later one)
-        work = torch.zeros(B, H, n * BLOCK, D, dtype=torch.float32, device=k.device)
-        work[:, :, :BLOCK] = torch.where(kept, self.tail.float(), in_codes)  # the first block's slots written before
-        work[rows, :, slots - first[:, None] * BLOCK] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
-        held = torch.arange(n * BLOCK, device=k.device) < (slots[:, -1:] + 1 - first[:, None] * BLOCK)  # [B, n * BLOCK]
-        blocks = work.unflatten(2, (n, BLOCK))  # [B, H_kv, n, BLOCK, D]
+        work = torch.zeros(B, H, n * G, D, dtype=torch.float32, device=k.device)
+        work[:, :, :G] = torch.where(kept, self.tail.float(), in_codes)  # the first block's slots written before
+        work[rows, :, slots - first[:, None] * G] = k.transpose(1, 2).float()  # [B, T, H_kv, D] into [B, T]
+        held = torch.arange(n * G, device=k.device) < (slots[:, -1:] + 1 - first[:, None] * G)  # [B, n * G]
+        blocks = work.unflatten(2, (n, G))  # [B, H_kv, n, G, D]
         # A slot not held takes the value of its block's first slot, so the block's range is that of what it holds.
-        blocks = torch.where(held.view(B, 1, n, BLOCK, 1), blocks, blocks[:, :, :, :1])
-        new = quantize(blocks.transpose(-1, -2), self.bits, group=BLOCK)  # per channel: codes [B, H_kv, n, D, BLOCK * bits // 8]
+        blocks = torch.where(held.view(B, 1, n, G, 1), blocks, blocks[:, :, :, :1])
+        new = quantize(blocks.transpose(-1, -2), self.bits, group=G)  # per channel: codes [B, H_kv, n, D, G * bits // 8]
         ids = first[:, None] + torch.arange(n, device=k.device)  # [B, n]
         for part, value in zip((self.codes, self.step, self.low), new.parts):
             part[rows, :, ids] = value.transpose(1, 2)  # [B, n, H_kv, D, ...] into [B, n]
-        last = slots[:, -1] // BLOCK - first  # [B] the block of each row's last slot, counted from first
+        last = slots[:, -1] // G - first  # [B] the block of each row's last slot, counted from first
         self.tail.copy_(blocks[rows[:, 0], :, last])
         self.tail_block.copy_((first + last)[:, None].expand_as(self.tail_block))
 
 
-def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int, device: torch.device) -> ChannelKeys:
-    """Zeros for the keys of slots of `shape` [..., S, D], in blocks of BLOCK slots and one spare."""
+def allocate_channel_keys(shape: tuple[int, ...], dtype: torch.dtype, bits: int, device: torch.device, block: int) -> ChannelKeys:
+    """Zeros for the keys of slots of `shape` [..., S, D], in blocks of `block` slots and one spare."""
     *lead, S, D = shape
-    n_blocks = -(-S // BLOCK) + 1
+    n_blocks = -(-S // block) + 1
     blocks = (*lead, n_blocks, D)
     return ChannelKeys(
-        torch.zeros(*blocks, BLOCK * bits // 8, dtype=torch.uint8, device=device),
+        torch.zeros(*blocks, block * bits // 8, dtype=torch.uint8, device=device),
         torch.zeros(*blocks, 1, dtype=torch.float16, device=device),
         torch.zeros(*blocks, 1, dtype=torch.float16, device=device),
-        torch.zeros(*lead, BLOCK, D, dtype=dtype, device=device),
+        torch.zeros(*lead, block, D, dtype=dtype, device=device),
         torch.zeros(*lead, dtype=torch.int64, device=device),
         bits,
     )
@@ -128,12 +132,15 @@ class ChannelKeysKVCache(KVCache):
     in codes per slot, read back in `dtype`. It holds every slot: it is never compacted."""
 
     @classmethod
-    def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int]) -> "ChannelKeysKVCache":
+    def allocate(
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], group: int
+    ) -> "ChannelKeysKVCache":
+        """`group`: the slots of each key block, and the channels of each value group."""
         if config.head_dim % 8:
             raise UserError(f"--kv-dtype kcNvM needs a head dimension divisible by 8; this model's is {config.head_dim}; use --kv-dtype auto or int8")
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
-        keys = allocate_channel_keys(shape, dtype, bits[0], device)
-        return cls(keys, allocate_kv(shape, dtype, bits[1], device), *counters(batch, device), torch.arange(n_slots, device=device), dtype)
+        keys = allocate_channel_keys(shape, dtype, bits[0], device, group)
+        return cls(keys, allocate_kv(shape, dtype, bits[1], device, group=group), *counters(batch, device), torch.arange(n_slots, device=device), dtype)
 
     def slot_shape(self) -> tuple[int, int, int, int, int]:
         return tuple(kv_shape(self.v))

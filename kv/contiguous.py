@@ -3,7 +3,7 @@
 
 import torch
 
-from kv import KV_CHANNEL_BITS
+from kv import KV_CHANNEL_CODES
 from kv.cache import KVCache
 from kv.channel_keys import ChannelKeysKVCache
 from kv.key_bias import model_key_bias
@@ -17,7 +17,7 @@ def contiguous_cache(model: Transformer, batch: int, n_slots: int, kv_dtype: str
     dtype, bits = kv_storage(kv_dtype, model.dtype)
     if bits is None:
         return KVCache.allocate(model.config, batch, n_slots, dtype, device)
-    if kv_dtype in KV_CHANNEL_BITS:
-        return ChannelKeysKVCache.allocate(model.config, batch, n_slots, dtype, device, bits)
+    if kv_dtype in KV_CHANNEL_CODES:
+        return ChannelKeysKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, KV_CHANNEL_CODES[kv_dtype][1])
     key_bias = model_key_bias(model, (batch, model.config.n_kv_heads, n_slots), device)
     return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from errors import UserError
-from kv import KV_BITS, KV_CHANNEL_BITS, KV_DTYPES
+from kv import KV_BITS, KV_CHANNEL_CODES, KV_DTYPES
 from kv.cache import KVCache, counters, sdpa
 from kv.key_bias import KeyBias
 from models.config import ModelConfig
@@ -67,22 +67,22 @@ def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: t
     return keys, allocate_kv(shape, dtype, value_bits, device)
 
 
-def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device, rotated: bool = False) -> KV:
-    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes (of the
-    slots turned by a Hadamard rotation, when `rotated`)."""
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device, rotated: bool = False, group: int = KV_GROUP) -> KV:
+    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes in groups of
+    `group` channels (of the slots turned by a Hadamard rotation, when `rotated`)."""
     if bits is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     *slots, D = shape
-    group = min(KV_GROUP, D)
-    if D % group or D % 8 or (rotated and D & (D - 1)):
+    groups = D // min(group, D)
+    if D % min(group, D) or D % 8 or (rotated and D & (D - 1)):
         raise UserError(
-            f"a quantized KV cache needs a head dimension divisible by {KV_GROUP} (or by 8 below it), and a power of two for keys below 8 bits;"
+            f"a quantized KV cache needs a head dimension divisible by {group} (or by 8 below it), and a power of two for keys below 8 bits;"
             f" this model's is {D}; use --kv-dtype auto or int8"
         )
     return QuantizedKV(
         torch.zeros(*slots, D * bits // 8, dtype=torch.uint8, device=device),
-        torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
-        torch.zeros(*slots, D // group, dtype=torch.float16, device=device),
+        torch.zeros(*slots, groups, dtype=torch.float16, device=device),
+        torch.zeros(*slots, groups, dtype=torch.float16, device=device),
         bits,
         hadamard(D, device) if rotated else None,
     )
@@ -165,7 +165,8 @@ def kv_nbytes(kv: KV) -> int:
 def kv_store(kv: KV, index: tuple, values: torch.Tensor) -> None:
     """kv[index] = values [..., D], quantized for a quantized buffer (index names leading dims only)."""
     if isinstance(kv, QuantizedKV):
-        for part, new in zip(kv.parts, quantize(values, kv.bits, kv.rotation).parts):
+        group = kv.head_dim // kv.step.shape[-1]
+        for part, new in zip(kv.parts, quantize(values, kv.bits, kv.rotation, group).parts):
             part[index] = new
     else:
         kv[index] = values.to(kv.dtype)
@@ -191,11 +192,11 @@ def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tu
         return model_dtype, None
     if kv_dtype in KV_BITS:
         return model_dtype, KV_BITS[kv_dtype]
-    if kv_dtype in KV_CHANNEL_BITS:
-        return model_dtype, KV_CHANNEL_BITS[kv_dtype]
+    if kv_dtype in KV_CHANNEL_CODES:
+        return model_dtype, KV_CHANNEL_CODES[kv_dtype][0]
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype], None
-    raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_BITS])}")
+    raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES])}")
 
 
 def read_keys(keys: KV, key_bias: KeyBias | None, dtype: torch.dtype) -> torch.Tensor:

@@ -12,15 +12,16 @@ never compacted, by how many compactions the key has been through.
 
 import torch
 
-from kv.channel_keys import BLOCK, allocate_channel_keys
+from kv import CHANNEL_GROUPS
+from kv.channel_keys import allocate_channel_keys
 
-HEADS, CHANNELS, SINKS, CANDIDATES, WINDOW, DROPPED, BITS = 2, 64, 4, 256, 16, 16, 4
+HEADS, CHANNELS, SINKS, CANDIDATES, WINDOW, DROPPED, BITS, BLOCK = 2, 64, 4, 256, 16, 16, 4, CHANNEL_GROUPS[""]
 
 
 def stored(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys [1, H, S, D] written at once as kcN codes, read back; and each slot's step [1, H, S, D]."""
     S = keys.shape[2]
-    codes = allocate_channel_keys(tuple(keys.shape), torch.float32, BITS, torch.device("cpu"))
+    codes = allocate_channel_keys(tuple(keys.shape), torch.float32, BITS, torch.device("cpu"), BLOCK)
     codes.write(keys, torch.arange(S)[None])
     step = codes.step[..., 0].float().repeat_interleave(BLOCK, dim=2)[:, :, :S]  # [1, H, NB, D] -> [1, H, S, D]
     return codes.read(S, torch.float32), step
