@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kv import CHANNEL_GROUPS
+from kv import KV_CHANNEL_CODES
 from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
 
@@ -54,7 +54,7 @@ def decode_traffic(model: Transformer, batch: int, prompt_len: int, new_tokens: 
     weight_bytes = stored_bytes(model.layers) + stored_bytes(model.norm) + stored_bytes(model.lm_head) + batch * config.hidden_size * itemsize
     # What a whole number of key blocks more costs, per slot: codes and scales included, a cache's
     # fixed part not (kv/channel_keys.py's block still filling), and the same for every storage.
-    block = max(CHANNEL_GROUPS.values())
+    block = max(group for _, group in KV_CHANNEL_CODES.values())
     size = lambda n_slots: contiguous_cache(model, 1, n_slots, kv_dtype, torch.device("meta")).nbytes
     kv_bytes_per_slot = (size(2 * block) - size(block)) // block
     # Step i (from 0) feeds the token at position prompt_len + i and reads prompt_len + i + 1 slots;

@@ -1,16 +1,15 @@
 """A KV cache whose keys are in codes per channel over blocks of slots (KIVI's layout for keys),
 its values in codes per slot as in kv/quantized.py. `--kv-dtype kcNvM`: keys in N bits, values in M.
 
-A key's channels differ in range far more than its slots do: a few channels are large in every
-slot (Qwen2's key bias among them). A per-slot group has to span those channels; a step and a
-minimum per channel over a block of slots follow each channel's own range, so that keys keep at 3 bits
-what per-slot groups keep at 4 (docs/quantization.md). A block holds 32 slots, and the values' groups
-32 channels; `kcNvMg64` makes both 64, which spends half a bit less per element on each.
-
-Each (layer, row, KV head) splits its slots into blocks. A write quantizes again every
-block it touches: the block of the row's last slot is kept in floats as well (`tail`), and each
-block is quantized from floats over the slots it holds so far. So every read is of codes, a
-block's range is that of what it holds, and a key is rounded once.
+A key's channels differ in range far more than its slots do: a few channels are large in every slot
+(Qwen2's key bias among them). A per-slot group has to span those channels; a step and a minimum
+per channel over a block of slots follow each channel's own range, so that keys keep at 3 bits what
+per-slot groups keep at 4 (docs/quantization.md). A block holds 32 slots and a group of values 32
+channels; `kcNvMg64` makes both 64, half a bit less per element on each. Each (layer, row, KV head)
+splits its slots into blocks. A write quantizes again every block it touches: the block of the
+row's last slot is kept in floats as well (`tail`), and each block is quantized from floats over
+the slots it holds so far. So every read is of codes, a block's range is that of what it holds, and
+a key is rounded once.
 
 A prefill of rows of different lengths writes each row's padding after its real slots. If the
 padding ran into a later block, the tail holds that block, so the row's next write takes its own
@@ -52,8 +51,7 @@ class ChannelKeys(NamedTuple):
         return [self.codes, self.step, self.low, self.tail, self.tail_block]
 
     @property
-    def block(self) -> int:
-        """The slots whose keys share each channel's step and minimum."""
+    def block(self) -> int:  # the slots whose keys share each channel's step and minimum
         return self.tail.shape[-2]
 
     def blocks(self) -> QuantizedKV:
@@ -132,9 +130,7 @@ class ChannelKeysKVCache(KVCache):
     in codes per slot, read back in `dtype`. It holds every slot: it is never compacted."""
 
     @classmethod
-    def allocate(
-        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], group: int
-    ) -> "ChannelKeysKVCache":
+    def allocate(cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], group: int) -> "ChannelKeysKVCache":
         """`group`: the slots of each key block, and the channels of each value group."""
         if config.head_dim % 8:
             raise UserError(f"--kv-dtype kcNvM needs a head dimension divisible by 8; this model's is {config.head_dim}; use --kv-dtype auto or int8")

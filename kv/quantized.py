@@ -165,8 +165,7 @@ def kv_nbytes(kv: KV) -> int:
 def kv_store(kv: KV, index: tuple, values: torch.Tensor) -> None:
     """kv[index] = values [..., D], quantized for a quantized buffer (index names leading dims only)."""
     if isinstance(kv, QuantizedKV):
-        group = kv.head_dim // kv.step.shape[-1]
-        for part, new in zip(kv.parts, quantize(values, kv.bits, kv.rotation, group).parts):
+        for part, new in zip(kv.parts, quantize(values, kv.bits, kv.rotation, kv.head_dim // kv.step.shape[-1]).parts):
             part[index] = new
     else:
         kv[index] = values.to(kv.dtype)

@@ -12,10 +12,10 @@ never compacted, by how many compactions the key has been through.
 
 import torch
 
-from kv import CHANNEL_GROUPS
+from kv import KV_CHANNEL_CODES
 from kv.channel_keys import allocate_channel_keys
 
-HEADS, CHANNELS, SINKS, CANDIDATES, WINDOW, DROPPED, BITS, BLOCK = 2, 64, 4, 256, 16, 16, 4, CHANNEL_GROUPS[""]
+HEADS, CHANNELS, SINKS, CANDIDATES, WINDOW, DROPPED, BITS, BLOCK = 2, 64, 4, 256, 16, 16, 4, KV_CHANNEL_CODES["kc4v4"][1]
 
 
 def stored(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

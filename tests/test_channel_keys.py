@@ -12,7 +12,7 @@ from engine.options import RunOptions, generate
 from engine.speculative import Speculation
 from errors import UserError
 from evaluation.config import split_storage
-from kv import CHANNEL_GROUPS, KV_CHANNEL_CODES
+from kv import KV_CHANNEL_CODES
 from kv.channel_keys import ChannelKeysKVCache, allocate_channel_keys
 from kv.contiguous import contiguous_cache
 from kv.paged import PageConfig
@@ -21,7 +21,8 @@ from tests.test_kv_quant import config_of, hard_values, prompts_of
 from weights.forms import load_model
 
 CPU = torch.device("cpu")
-BLOCK = CHANNEL_GROUPS[""]
+BLOCK = KV_CHANNEL_CODES["kc4v4"][1]
+BLOCK_SIZES = sorted({group for _, group in KV_CHANNEL_CODES.values()})
 
 
 def written(keys: torch.Tensor, bits: int, chunks: list[int], block: int = BLOCK):
@@ -36,7 +37,7 @@ def written(keys: torch.Tensor, bits: int, chunks: list[int], block: int = BLOCK
 
 
 @pytest.mark.parametrize("bits", [4, 3, 2])
-@pytest.mark.parametrize("size", CHANNEL_GROUPS.values())
+@pytest.mark.parametrize("size", BLOCK_SIZES)
 def test_after_every_write_each_channel_of_each_block_spans_the_slots_it_holds(bits, size):
     """After each write, every held key comes back within half a step of itself, and the step and
     minimum of each (block, channel) are those of the held slots alone (brute force), not of the
@@ -59,7 +60,7 @@ def test_after_every_write_each_channel_of_each_block_spans_the_slots_it_holds(b
             assert torch.all((back[:, :, span] - x).abs() <= step[:, :, None] / 2 * (1 + 2**-8) + 1e-6)
 
 
-@pytest.mark.parametrize("size", CHANNEL_GROUPS.values())
+@pytest.mark.parametrize("size", BLOCK_SIZES)
 def test_the_codes_do_not_depend_on_how_the_slots_were_written(size):
     """Blocks are quantized again from floats at each write, so one write, a prompt and steps, or a
     slot at a time leave the same codes."""
