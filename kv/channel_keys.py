@@ -32,6 +32,7 @@ from kv.cache import KVCache, counters, sdpa
 from kv.quantized import KV, QuantizedKV, allocate_kv, dequantize, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, quantize
 from models.config import ModelConfig
 
+
 class ChannelKeys(NamedTuple):
     """Keys in codes per channel over blocks of `block` slots. One spare block past the last follows,
     so that a write may quantize every block it could reach without knowing where it ends."""
