@@ -180,6 +180,13 @@ def test_g64_values_share_a_step_and_minimum_over_64_channels():
         assert torch.all((back - v).abs() <= step.repeat_interleave(group, -1) / 2 * (1 + 2**-8) + 1e-6)
 
 
+def test_a_head_that_groups_of_64_do_not_divide_gets_one_clear_error():
+    """A 96-channel head splits into groups of 32 (kc4v3) but not of 64 (kc4v3g64)."""
+    ChannelKeysKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (4, 3), 32)
+    with pytest.raises(UserError, match="needs a head dimension divisible by 64 .* this model's is 96"):
+        ChannelKeysKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (4, 3), 64)
+
+
 def test_a_row_padded_past_its_block_takes_its_last_block_back_from_the_codes():
     """A prefill of rows of different lengths writes the short row's padding into later blocks, so
     the tail holds the padding's last block. The short row's next write starts in its own last
