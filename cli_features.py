@@ -77,7 +77,7 @@ def attention_line(device: torch.device, dtype: torch.dtype, config: ModelConfig
     not flash-attn (None on CPU, whose one path is SDPA)."""
     if device.type != "cuda":
         return None
-    cache_dtype, bits = kv_storage(kv_dtype, dtype)
+    cache_dtype, bits, _ = kv_storage(kv_dtype, dtype)
     block_size = None if pages is None else pages.block_size
     reason = why_not_flash(device, dtype, None if bits else cache_dtype, config.head_dim, block_size, store_slots > 0)
     if reason is None:

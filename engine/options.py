@@ -41,11 +41,11 @@ class RunOptions:
 
 def new_cache(model: Transformer, batch: int, n_slots: int, options: RunOptions) -> KVCache | PagedKVCache:
     """The cache kind the options ask for, `batch` rows of up to n_slots slots."""
-    dtype, bits = kv_storage(options.kv_dtype, model.dtype)
+    dtype, bits, group = kv_storage(options.kv_dtype, model.dtype)
     if options.kv_dtype in KV_CHANNEL_CODES:
         check_keeps_every_slot(options)
     if options.pages is not None:
-        return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits, key_bias=partial(model_key_bias, model, device=model.device))
+        return PagedKVCache.allocate(model.config, batch, n_slots, dtype, model.device, options.pages, bits=bits, group=group, key_bias=partial(model_key_bias, model, device=model.device))
     if bits is None and model.device.type == "cuda":
         return FlashKVCache.allocate(model.config, batch, n_slots, dtype, model.device)
     return contiguous_cache(model, batch, n_slots, options.kv_dtype, model.device)

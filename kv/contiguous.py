@@ -14,10 +14,10 @@ from models.transformer import Transformer
 def contiguous_cache(model: Transformer, batch: int, n_slots: int, kv_dtype: str, device: torch.device) -> KVCache:
     """`batch` rows of n_slots slots, read back in the model's dtype (a model's key bias, if any,
     kept out of per-slot codes)."""
-    dtype, bits = kv_storage(kv_dtype, model.dtype)
+    dtype, bits, group = kv_storage(kv_dtype, model.dtype)
     if bits is None:
         return KVCache.allocate(model.config, batch, n_slots, dtype, device)
     if kv_dtype in KV_CHANNEL_CODES:
-        return ChannelKeysKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, KV_CHANNEL_CODES[kv_dtype][1])
+        return ChannelKeysKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, group)
     key_bias = model_key_bias(model, (batch, model.config.n_kv_heads, n_slots), device)
-    return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias)
+    return QuantizedKVCache.allocate(model.config, batch, n_slots, dtype, device, bits, key_bias, group)

@@ -24,7 +24,7 @@ from kv.cache import counters
 from kv.compaction import BITS, compact_in_place, compaction_moves
 from kv.key_bias import KeyBias
 from kv.prefix_cache import PrefixCache
-from kv.quantized import KV, QuantizedKV, allocate_keys_and_values, attend_codes, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
+from kv.quantized import KV, KV_GROUP, QuantizedKV, allocate_keys_and_values, attend_codes, kv_map, kv_parts, kv_read, kv_shape, kv_store, kv_unbind, read_keys, write_keys
 from models.config import ModelConfig
 
 SCRATCH_BLOCK = 0
@@ -187,11 +187,11 @@ class PagedKVCache:
     @classmethod
     def allocate(
         cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device,
-        pages: PageConfig = PageConfig(), *, bits: tuple[int, int] | None = None, key_bias: Callable[[tuple[int, ...]], KeyBias | None] | None = None,
+        pages: PageConfig = PageConfig(), *, bits: tuple[int, int] | None = None, group: int | None = KV_GROUP, key_bias: Callable[[tuple[int, ...]], KeyBias | None] | None = None,
     ) -> "PagedKVCache":
         """Rows of up to n_slots slots (tables of n_slots / block_size blocks, rounded up); a pool of
         pages.n_blocks blocks (default: enough for every row's whole table, about the contiguous
-        cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones read back in it.
+        cache's memory) plus the scratch block. Buffers of `dtype`, or with `bits` (the keys' and the values') quantized ones, in groups of `group` channels, read back in it.
         key_bias: makes the KeyBias of a pool of this slot layout (kv.key_bias.model_key_bias), for quantized keys."""
         block_size = pages.block_size
         max_blocks = -(-n_slots // block_size)
@@ -199,7 +199,7 @@ class PagedKVCache:
         shape = (config.n_layers, n_blocks + 1, config.n_kv_heads, block_size, config.head_dim)
         bias = key_bias(shape[1:-1]) if key_bias is not None and bits is not None else None
         return cls(
-            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=bias is not None or not config.qkv_bias),
+            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=bias is not None or not config.qkv_bias, group=group),
             torch.full((batch, max_blocks), SCRATCH_BLOCK, dtype=torch.int64, device=device),
             *counters(batch, device),
             torch.arange(n_slots, device=device),

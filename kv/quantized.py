@@ -1,6 +1,6 @@
 """A quantized KV cache's storage: keys (after RoPE) and values in codes of 8, 4, 3 or 2 bits.
 
-Each slot's D channels are quantized in groups of KV_GROUP (or the whole head when it is
+Each slot's D channels are quantized in groups of KV_GROUP (64 with the `g64` names; or the whole head when it is
 smaller), each group with its own step and minimum in float16, the layout llama.cpp's q8_0/q4_1
 blocks use along a row. Per slot, not per channel across slots (KIVI's keys), because slots move
 one by one: a compaction moves each kept slot with its own scales, and a decode step writes one
@@ -58,17 +58,19 @@ class QuantizedKV(NamedTuple):
 KV = torch.Tensor | QuantizedKV  # a cache buffer, float or quantized
 
 
-def allocate_keys_and_values(shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device, rotate_keys: bool) -> tuple[KV, KV]:
+def allocate_keys_and_values(
+    shape: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int] | None, device: torch.device, rotate_keys: bool, group: int | None = KV_GROUP
+) -> tuple[KV, KV]:
     """Zeros for the keys and the values of slots of `shape` [..., S, D], each float in `dtype` or in
-    codes of its own bits (kv_storage's). Keys below 8 bits are rotated when `rotate_keys`: false
+    codes of its own bits, in groups of `group` channels (kv_storage's). Keys below 8 bits are rotated when `rotate_keys`: false
     where a key bias stays in the codes (the store's), which the rotation would spread over every channel."""
     key_bits, value_bits = bits or (None, None)
-    keys = allocate_kv(shape, dtype, key_bits, device, rotated=rotate_keys and key_bits is not None and key_bits < 8)
-    return keys, allocate_kv(shape, dtype, value_bits, device)
+    keys = allocate_kv(shape, dtype, key_bits, device, rotated=rotate_keys and key_bits is not None and key_bits < 8, group=group)
+    return keys, allocate_kv(shape, dtype, value_bits, device, group=group)
 
 
-def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device, rotated: bool = False, group: int = KV_GROUP) -> KV:
-    """Zeros for slots of `shape` [..., S, D]: float in `dtype`, or `bits`-bit codes in groups of
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None, device: torch.device, rotated: bool = False, group: int | None = KV_GROUP) -> KV:
+    """Zeros for slots of `shape` [..., S, D]: float in `dtype` (no group), or `bits`-bit codes in groups of
     `group` channels (of the slots turned by a Hadamard rotation, when `rotated`)."""
     if bits is None:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -184,17 +186,18 @@ def kv_shape(kv: KV) -> torch.Size:
 
 
 
-def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tuple[int, int] | None]:
+def kv_storage(kv_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, tuple[int, int] | None, int | None]:
     """--kv-dtype as (the dtype keys and values read back in, the bits of the keys' and the
-    values' codes, or None for floats). auto: the model's dtype, as floats."""
+    values' codes, the channels of each group of codes (for keys per channel, also the slots of
+    each key block)), None for both for floats. auto: the model's dtype, as floats."""
     if kv_dtype == "auto":
-        return model_dtype, None
+        return model_dtype, None, None
     if kv_dtype in KV_BITS:
-        return model_dtype, KV_BITS[kv_dtype]
+        return model_dtype, *KV_BITS[kv_dtype]
     if kv_dtype in KV_CHANNEL_CODES:
-        return model_dtype, KV_CHANNEL_CODES[kv_dtype][0]
+        return model_dtype, *KV_CHANNEL_CODES[kv_dtype]
     if kv_dtype in KV_DTYPES:
-        return KV_DTYPES[kv_dtype], None
+        return KV_DTYPES[kv_dtype], None, None
     raise UserError(f"unknown --kv-dtype {kv_dtype!r}; choose one of auto, {', '.join([*KV_DTYPES, *KV_BITS, *KV_CHANNEL_CODES])}")
 
 
@@ -258,10 +261,11 @@ class QuantizedKVCache(KVCache):
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], key_bias: KeyBias | None = None
+        cls, config: ModelConfig, batch: int, n_slots: int, dtype: torch.dtype, device: torch.device, bits: tuple[int, int], key_bias: KeyBias | None = None,
+        group: int = KV_GROUP,
     ) -> "QuantizedKVCache":
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
-        keys_and_values = allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=True)
+        keys_and_values = allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=True, group=group)
         return cls(*keys_and_values, *counters(batch, device), torch.arange(n_slots, device=device), dtype, key_bias)
 
     def slot_shape(self) -> tuple[int, int, int, int, int]:

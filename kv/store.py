@@ -113,11 +113,11 @@ class KVStore:
         cls, config: ModelConfig, batch: int, n_slots: int, store_dtype: str, model_dtype: torch.dtype, recall: int, device: torch.device,
         scored: bool = False,
     ) -> "KVStore":
-        dtype, bits = kv_storage(store_dtype, model_dtype)
+        dtype, bits, group = kv_storage(store_dtype, model_dtype)
         shape = (config.n_layers, batch, config.n_kv_heads, n_slots, config.head_dim)
         pages = (config.n_layers, batch, config.n_kv_heads, n_slots // STORE_PAGE, config.head_dim)
         return cls(
-            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=not config.qkv_bias),
+            *allocate_keys_and_values(shape, dtype, bits, device, rotate_keys=not config.qkv_bias, group=group),
             torch.zeros(shape[:-1], dtype=torch.int64, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),
             torch.zeros(pages, dtype=torch.float32, device=device),

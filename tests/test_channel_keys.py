@@ -84,7 +84,7 @@ def test_a_channel_keys_cache_holds_its_blocks_bytes():
     keys = 2 * 64 * (24 + 4) + 64 * 64 * 2 + 8
     values = 10 * (24 + 2 * 2)
     assert contiguous_cache(model, 2, 10, "kc3v3g64", CPU).nbytes == 3 * 2 * 2 * (keys + values)
-    assert kv_storage("kc3v3", torch.bfloat16) == kv_storage("kc3v3g64", torch.bfloat16) == (torch.bfloat16, (3, 3))
+    assert kv_storage("kc3v3", torch.bfloat16) == (torch.bfloat16, (3, 3), 32) and kv_storage("kc3v3g64", torch.bfloat16) == (torch.bfloat16, (3, 3), 64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

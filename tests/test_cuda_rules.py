@@ -290,7 +290,7 @@ def test_the_scripts_name_the_attention_path_on_cuda_and_why(tiny_checkpoint, mo
 
 def flash_calls(config: ModelConfig, model_dtype: torch.dtype, kv_dtype: str, block: int | None) -> KernelCalls:
     """The flash-attn call a decode step makes over the engine's own cache buffers, on the fake device."""
-    cache_dtype, bits = kv_storage(kv_dtype, model_dtype)
+    cache_dtype, bits, _ = kv_storage(kv_dtype, model_dtype)
     with fake_device() as recorded:
         if block is None:
             layer = KVCache.allocate(config, 2, 512, cache_dtype, META).layers(None)[0]  # flash-attn reads floats only
@@ -444,7 +444,7 @@ def weights_row(model_arg: str | None, quant: str, dtype_name: str, layers_of) -
 
 
 def attention_cell(configs: list[ModelConfig], dtype: torch.dtype, kv_dtype: str, block: int | None) -> str:
-    cache_dtype, bits = kv_storage(kv_dtype, dtype)
+    cache_dtype, bits, _ = kv_storage(kv_dtype, dtype)
     reasons = {flash_attention.why_not_flash(CUDA, dtype, None if bits else cache_dtype, c.head_dim, block, store=False) for c in configs}
     assert len(reasons) == 1
     reason = reasons.pop()

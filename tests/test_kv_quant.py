@@ -16,7 +16,8 @@ from kv.paged import PageConfig, PagedKVCache, PagedView
 from errors import UserError
 from models.config import ModelConfig
 from kv.contiguous import contiguous_cache
-from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, dequantize, hadamard, kv_storage, pack_codes, quantize, unpack_codes
+from kv.quantized import KV_GROUP, QuantizedKV, QuantizedKVCache, QuantizedRowsView, dequantize, hadamard, kv_nbytes, kv_storage, pack_codes, quantize, unpack_codes
+from kv.store import KVStore
 from weights.forms import load_model
 
 CPU = torch.device("cpu")
@@ -105,29 +106,30 @@ def test_keys_below_8_bits_are_rotated_and_values_never():
         assert (cache.k.rotation is not None) == rotated and cache.v.rotation is None
 
 
-@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4), (4, 3), (3, 2)])
+@pytest.mark.parametrize("bits, group", [((8, 8), 32), ((4, 4), 32), ((8, 4), 32), ((4, 3), 32), ((3, 2), 32), ((4, 3), 64), ((8, 2), 64)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_copy(bits, paged):
-    """A written layer holds codes; attend() over it equals a float64 softmax over what the codes decode to."""
+def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_copy(bits, group, paged):
+    """A written layer holds codes in groups of `group` channels; attend() over it equals a float64
+    softmax over what the codes decode to."""
     B, H, H_kv, S, D = 2, 4, 2, 11, 64
     torch.manual_seed(1)
     k, v, q = torch.randn(B, H_kv, S, D) * 3, torch.randn(B, H_kv, S, D), torch.randn(B, H, 1, D)
     config = config_of(D, n_heads=H, n_kv_heads=H_kv)
     slots = torch.arange(S).expand(B, S)
     if paged:
-        cache = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
+        cache = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits, group=group)
         for row in range(B):
             cache.fit(row, S)
         layer = cache.layers(S)[0]
         assert isinstance(layer, PagedView)
     else:
-        cache = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits)
+        cache = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits, group=group)
         layer = cache.layers(S)[0]
         assert isinstance(layer, QuantizedRowsView)
-    assert isinstance(layer.k, QuantizedKV)
+    assert isinstance(layer.k, QuantizedKV) and layer.k.step.shape[-1] == layer.v.step.shape[-1] == D // group
     layer.write(k, v, slots)
-    keys = dequantize(quantize(k, bits[0], hadamard(D, CPU) if bits[0] < 8 else None), torch.float64)
-    values = dequantize(quantize(v, bits[1]), torch.float64)
+    keys = dequantize(quantize(k, bits[0], hadamard(D, CPU) if bits[0] < 8 else None, group), torch.float64)
+    values = dequantize(quantize(v, bits[1], group=group), torch.float64)
     G = H // H_kv
     # A decode step (one query per row, straight from the codes) and a prefill's last 3 queries
     # (dequantized for SDPA), each reading the slots up to its own; row 1 leaves its last slot out.
@@ -145,14 +147,14 @@ def test_attention_over_quantized_slots_equals_attention_over_their_dequantized_
     assert torch.equal(cache.keys(0, S), keys.float())
 
 
-@pytest.mark.parametrize("bits", [(8, 8), (4, 4), (8, 4), (3, 2)])
-def test_compaction_moves_each_slots_scales_with_its_codes(bits):
+@pytest.mark.parametrize("bits, group", [((8, 8), 32), ((4, 4), 32), ((8, 4), 32), ((3, 2), 32), ((4, 3), 64)])
+def test_compaction_moves_each_slots_scales_with_its_codes(bits, group):
     """After a compaction the slots hold what they held before, scales included, in both layouts."""
     torch.manual_seed(2)
     config = config_of(64, n_layers=2)
     L, B, H_kv, S, D = 2, 2, 2, 12, 64
-    contiguous = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits)
-    paged = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits)
+    contiguous = QuantizedKVCache.allocate(config, B, S, torch.float32, CPU, bits, group=group)
+    paged = PagedKVCache.allocate(config, B, S, torch.float32, CPU, PageConfig(block_size=4), bits=bits, group=group)
     for row in range(B):
         paged.fit(row, S)
     k, v = hard_values(L, B, H_kv, S, D), torch.randn(L, B, H_kv, S, D)
@@ -225,6 +227,12 @@ def test_a_quantized_cache_holds_its_codes_and_scales_bytes():
     for bits, expected in per_slot.items():
         cache = QuantizedKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits)
         assert cache.nbytes == 3 * 2 * 2 * 10 * expected  # layers, rows, heads, slots
+    in_groups_of_64 = {(4, 4): 2 * (32 + 4), (4, 3): 32 + 4 + 24 + 4, (3, 3): 2 * (24 + 4), (8, 2): 64 + 4 + 16 + 4}  # one step and minimum per head
+    for bits, expected in in_groups_of_64.items():
+        assert QuantizedKVCache.allocate(config, 2, 10, torch.bfloat16, CPU, bits, group=64).nbytes == 3 * 2 * 2 * 10 * expected
+    assert 4 * in_groups_of_64[(4, 3)] == per_slot[None]  # k4v3g64: a quarter of bfloat16's bytes
+    store = KVStore.allocate(config, 2, 16, "k4v3g64", torch.bfloat16, 1, CPU)  # the store's codes take the name's groups too
+    assert kv_nbytes(store.k) + kv_nbytes(store.v) == 3 * 2 * 2 * 16 * in_groups_of_64[(4, 3)]
 
 
 def test_a_key_biased_cache_counts_each_slots_position(tiny_checkpoint):
@@ -234,9 +242,14 @@ def test_a_key_biased_cache_counts_each_slots_position(tiny_checkpoint):
     codes = lambda bits: c.head_dim * bits // 8 + 4 * max(1, c.head_dim // KV_GROUP)  # codes, then a step and a minimum per group
     assert contiguous_cache(model, 1, 1, "k4v2", CPU).nbytes == heads * (codes(4) + 4 + codes(2))  # + an int32 position per key
     assert contiguous_cache(model, 1, 1, "k8v4", CPU).nbytes == heads * (codes(8) + 4 + codes(4))
+    wide = load_model(tiny_checkpoint("qwen2_head64")[0], torch.float32, CPU)
+    c = wide.config
+    in_groups = lambda bits, group: c.head_dim * bits // 8 + 4 * (c.head_dim // group)
+    assert contiguous_cache(wide, 1, 1, "k4v3", CPU).nbytes == c.n_layers * c.n_kv_heads * (in_groups(4, 32) + 4 + in_groups(3, 32))
+    assert contiguous_cache(wide, 1, 1, "k4v3g64", CPU).nbytes == c.n_layers * c.n_kv_heads * (in_groups(4, 64) + 4 + in_groups(3, 64))
 
 
-@pytest.mark.parametrize("kv_dtype, arch", [("int8", "qwen2"), ("int4", "qwen2"), ("k3v2", "llama")])
+@pytest.mark.parametrize("kv_dtype, arch", [("int8", "qwen2"), ("int4", "qwen2"), ("k3v2", "llama"), ("k4v3g64", "qwen2_head64")])
 def test_paged_and_every_policy_give_the_tokens_of_the_contiguous_quantized_cache(kv_dtype, arch, tiny_checkpoint):
     """qwen2's keys have a bias, which quantized keys keep out of the codes, with each slot's position."""
     model = load_model(tiny_checkpoint(arch)[0], torch.float32, CPU)
@@ -260,6 +273,9 @@ def test_compiled_step_on_a_quantized_cache_equals_eager(tiny_checkpoint):
     biased = load_model(tiny_checkpoint("qwen2")[0], torch.float32, CPU)  # its key bias kept out of the codes
     eager = generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2"))
     assert generate(biased, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v2", compile=True)).tokens == eager.tokens
+    wide = load_model(tiny_checkpoint("qwen2_head64")[0], torch.float32, CPU)  # one group of 64 channels per head
+    eager = generate(wide, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v3g64"))
+    assert generate(wide, prompts, 16, eos_ids=frozenset(), options=RunOptions(kv_dtype="k4v3g64", compile=True)).tokens == eager.tokens
 
 
 def test_compiled_step_of_two_groups_of_blocks_on_a_k8v4_cache_equals_eager():
@@ -299,22 +315,25 @@ def test_a_float_cache_of_another_dtype_is_read_in_the_models(tiny_checkpoint, m
     monkeypatch.setattr(RowsView, "write", rounded_write)
     reference = prefill(model, KVCache.allocate(model.config, 1, 9, torch.float32, CPU), prompt)
     assert torch.equal(logits, reference)
-    assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None)
-    assert kv_storage("auto", torch.bfloat16) == (torch.bfloat16, None)
-    assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, (4, 4))
-    assert kv_storage("k8v4", torch.bfloat16) == (torch.bfloat16, (8, 4))
+    assert kv_storage("bf16", torch.float32) == (torch.bfloat16, None, None)
+    assert kv_storage("auto", torch.bfloat16) == (torch.bfloat16, None, None)
+    assert kv_storage("int4", torch.bfloat16) == (torch.bfloat16, (4, 4), 32)
+    assert kv_storage("k8v4", torch.bfloat16) == (torch.bfloat16, (8, 4), 32)
+    assert kv_storage("k4v3g64", torch.bfloat16) == (torch.bfloat16, (4, 3), 64)
 
 
 def test_bad_kv_options_get_one_clear_error():
     with pytest.raises(UserError, match="unknown --kv-dtype 'int5'"):
         kv_storage("int5", torch.float32)
-    assert kv_storage("k4v3", torch.float32) == (torch.float32, (4, 3))
+    assert kv_storage("k4v3", torch.float32) == (torch.float32, (4, 3), 32)
     config = config_of(40)
     with pytest.raises(UserError, match="head dimension divisible by 32"):
         QuantizedKVCache.allocate(config, 1, 4, torch.float32, CPU, (4, 4))
     with pytest.raises(UserError, match="a power of two for keys below 8 bits"):
         QuantizedKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (4, 4))
     QuantizedKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (8, 4))  # values are not rotated
+    with pytest.raises(UserError, match="head dimension divisible by 64 .* this model's is 96"):
+        QuantizedKVCache.allocate(config_of(96), 1, 4, torch.float32, CPU, (8, 4), group=64)
 
 
 def test_bench_counts_the_codes_and_scales_a_step_reads(tiny_checkpoint):
