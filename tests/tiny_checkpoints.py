@@ -60,8 +60,9 @@ KINDS = {
     "llama_3kv": (transformers.LlamaConfig, dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
-    # Qwen2.5-Coder-0.5B's head of 64 channels, which groups of 64 channels (kNvMg64) span whole.
-    "qwen2_head64": (transformers.Qwen2Config, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)),
+    # Qwen2.5-Coder-0.5B's head of 64 channels, which groups of 64 channels (kNvMg64) span whole;
+    # 2 KV heads so that 2 ranks can split them.
+    "qwen2_head64": (transformers.Qwen2Config, dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
 
