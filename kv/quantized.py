@@ -123,10 +123,18 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., D] uint8 below 2**bits -> [..., D * bits // 8] uint8. Every 8 codes become
-    `bits` bytes, the first code in the lowest bits: for 4 bits, channel 2i is byte i's low nibble."""
+    """codes [..., D] uint8 below 2**bits -> [..., D * bits // 8] uint8.
+    4 and 2 bits are packed in planes: with n = D * bits // 8 bytes, channel j * n + i sits in byte i
+    at bit j * bits (for 4 bits, the first half of the channels in the low nibbles, the second half
+    in the high ones). Unpacking then shifts every byte of a plane by the same amount, which a
+    compiled step turns into vector instructions; a shift that changes from byte to byte it does not.
+    3 bits are a little-endian bit string: every 8 codes fill 3 bytes, the first in the lowest bits."""
     if bits == 8:
         return codes
+    if 8 % bits == 0:
+        planes = codes.unflatten(-1, (8 // bits, -1)).long()  # [..., planes, n]
+        shifts = torch.arange(8 // bits, device=codes.device)[:, None] * bits
+        return (planes << shifts).sum(-2).to(torch.uint8)
     shifts = torch.arange(8, device=codes.device) * bits
     words = (codes.unflatten(-1, (-1, 8)).long() << shifts).sum(-1)  # [..., D / 8] of 8 * bits bits each
     return ((words[..., None] >> (torch.arange(bits, device=codes.device) * 8)) & 255).to(torch.uint8).flatten(-2)
@@ -136,9 +144,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """pack_codes undone: [..., D * bits // 8] uint8 -> codes [..., D] uint8."""
     if bits == 8:
         return packed
-    if 8 % bits == 0:  # whole codes per byte: shift each byte, no wider words
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)[:, None]
+        return ((packed[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)  # [..., planes, n] -> [..., D]
     words = (packed.unflatten(-1, (-1, bits)).long() << (torch.arange(bits, device=packed.device) * 8)).sum(-1)  # [..., D / 8]
     return ((words[..., None] >> (torch.arange(8, device=packed.device) * bits)) & (2**bits - 1)).to(torch.uint8).flatten(-2)
 

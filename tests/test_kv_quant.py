@@ -63,16 +63,31 @@ def test_every_value_comes_back_within_half_a_step_of_its_group(bits):
             assert step <= spread / (2**bits - 1) * 1.002 + 1e-7  # the step spans the group's range, no more
 
 
-def test_int4_codes_pack_the_even_channel_in_the_low_nibble():
-    x = torch.tensor([0.0, 15.0] * 16)  # low 0, high 15: step 1, codes are the values
-    q = quantize(x, 4)
-    assert q.codes.tolist()[:2] == [0xF0, 0xF0]  # channel 0 (code 0) low, channel 1 (code 15) high
+def test_int4_codes_pack_the_first_half_of_the_channels_in_the_low_nibbles():
+    x = torch.tensor([0.0] * 32 + [15.0] * 32)  # low 0, high 15: step 1, codes are the values
+    q = quantize(x, 4, group=64)
+    assert q.codes.tolist() == [0xF0] * 32  # channel i (code 0) in byte i's low nibble, channel 32 + i (code 15) in its high one
     assert torch.equal(dequantize(q, torch.float32).round(), x)
 
 
-@pytest.mark.parametrize("bits", [4, 3, 2])
-def test_codes_pack_as_a_little_endian_bit_string(bits):
-    """Brute force: code i occupies bits i*bits .. (i+1)*bits - 1 of the row, counted from byte 0's lowest bit."""
+@pytest.mark.parametrize("bits", [4, 2])
+def test_codes_of_4_and_2_bits_pack_in_planes(bits):
+    """Brute force: with n bytes, channel j * n + i sits in byte i at bits j * bits .. (j + 1) * bits - 1."""
+    torch.manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    n = 64 * bits // 8
+    assert packed.shape == (3, n)
+    for row in range(3):
+        for channel in range(64):
+            plane, byte = divmod(channel, n)
+            assert (packed[row, byte].item() >> (plane * bits)) & (2**bits - 1) == codes[row, channel].item()
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_3_bit_codes_pack_as_a_little_endian_bit_string():
+    """Brute force: code i occupies bits 3i .. 3i + 2 of the row, counted from byte 0's lowest bit."""
+    bits = 3
     torch.manual_seed(bits)
     codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8)
     packed = pack_codes(codes, bits)
