@@ -36,7 +36,7 @@ class QuantizedKV(NamedTuple):
     """One cache buffer's keys or values; every part is indexed by slot like the float buffer it
     replaces, [..., S, ...], only the last dimension differs."""
 
-    codes: torch.Tensor  # [..., S, D * bits // 8] uint8, packed little-end first (pack_codes)
+    codes: torch.Tensor  # [..., S, D * bits // 8] uint8, laid out as pack_codes says
     step: torch.Tensor  # [..., S, groups] float16
     low: torch.Tensor  # [..., S, groups] float16, at or below every value of the group
     bits: int  # 8, 4, 3 or 2
