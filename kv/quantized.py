@@ -127,7 +127,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     4 and 2 bits are packed in planes: with n = D * bits // 8 bytes, channel j * n + i sits in byte i
     at bit j * bits (for 4 bits, the first half of the channels in the low nibbles, the second half
     in the high ones). Unpacking then shifts every byte of a plane by the same amount, which a
-    compiled step turns into vector instructions; a shift that changes from byte to byte it does not.
+    compiled step turns into vector instructions; a shift that changes from channel to channel it does not.
     3 bits are a little-endian bit string: every 8 codes fill 3 bytes, the first in the lowest bits."""
     if bits == 8:
         return codes
