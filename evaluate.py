@@ -5,6 +5,7 @@
     python evaluate.py --model smollm2 --quick                             # a smoke run
     python evaluate.py --report results/eval/smollm2/retrieval/results.json   # tables and plot again
     python evaluate.py --report A/results.json B/results.json --out DIR    # runs on the same batch, as one table
+    python evaluate.py --report A/results.json B/results.json --out DIR --policies a,b   # only these cells
 
 Each finished (policy, budget) cell is written to --out at once; the same command run again
 resumes a stopped run and skips the cells it has (--restart starts over). The full cache's pass
@@ -236,20 +237,27 @@ def main(argv: list[str] | None = None) -> int:
 def report(args: list[str]) -> None:
     """The tables and plots again from one results.json, into its folder; or several retrieval
     runs on the same batch (other policies or budgets from the same full pass) as one table:
-    --report A/results.json B/results.json --out DIR."""
-    out = None
-    if "--out" in args:
-        at = args.index("--out")
-        if at + 1 >= len(args):
-            raise UserError("--out needs a folder")
-        out, args = Path(args[at + 1]), args[:at] + args[at + 2 :]
+    --report A/results.json B/results.json --out DIR [--policies a,b] (only those cells)."""
+    out, args = _option(args, "--out")
+    policies, args = _option(args, "--policies")
     paths = [Path(a) for a in args]
-    if not paths or (len(paths) > 1) != (out is not None):
-        raise UserError("--report takes one results.json, or several and --out DIR for the merged tables")
+    if not paths or (len(paths) > 1 or policies is not None) != (out is not None):
+        raise UserError("--report takes one results.json, or several (or --policies) and --out DIR for the merged tables")
     if len(paths) == 1 and "cells" in _json_keys(paths[0]):
         print(write_humaneval(read_humaneval(paths[0]), paths[0].parent))
         return
-    print(write(merge_results([read_results(path) for path in paths]), out or paths[0].parent))
+    chosen = tuple(p.strip() for p in (policies or "").split(",") if p.strip())
+    print(write(merge_results([read_results(path) for path in paths], chosen), Path(out) if out else paths[0].parent))
+
+
+def _option(args: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value given to `name` in args, and the args without it."""
+    if name not in args:
+        return None, args
+    at = args.index(name)
+    if at + 1 >= len(args):
+        raise UserError(f"{name} needs a value")
+    return args[at + 1], args[:at] + args[at + 2 :]
 
 
 def run(config: EvalConfig | HumanEvalConfig, resume: bool) -> None:

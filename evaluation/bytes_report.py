@@ -1,7 +1,7 @@
 """Quality against the bytes the KV cache holds: every cell at its share of a full bf16 cache's
 bytes (codes, scales, the store and its page summaries counted), the plot of recall against
-bytes, and each combination (eviction with a quantized cache or a store) tested against every
-single technique (eviction alone, or the whole cache quantized) that holds at least as many bytes."""
+bytes, and the equal-bytes table: at each byte budget, every cell run there tested against the
+best single technique (eviction alone, or the whole cache in one storage) that holds no more."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from evaluation.config import split_storage
 from evaluation.metrics import LossResult, Results
 from evaluation.statistics import holm, interval_text, mcnemar, wilson
 
-GOAL_SHARES = (0.10, 0.25)  # issue 29's byte budgets: recall there, as a share of the full cache's
+BUDGET_SHARES = (0.05, 0.10, 0.15, 0.25, 0.35, 0.50)  # the byte budgets of the equal-bytes table, as shares of the full bf16 cache's
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ def points(results: Results) -> list[Point]:
 
 
 def bytes_tables(found: list[Point], items: str) -> str:
-    """The table of quality against bytes, the best cell under each goal's bytes, and the paired
-    tests; `items` names what the outcomes count ("recalls", "problems")."""
+    """The table of quality against bytes, the best cell within each byte budget, and the
+    equal-bytes table; `items` names what the outcomes count ("recalls", "problems")."""
     full = next((p for p in found if p.spec == "none"), None)
     if full is None or len(found) < 2:
         return ""
@@ -88,50 +88,54 @@ def bytes_tables(found: list[Point], items: str) -> str:
         loss = (f" {p.loss.delta:+.3f} |" if p.loss is not None else " |") if with_loss else ""
         lines.append(f"| {label(p.spec)} | {_budget(p)} | {p.share:.1%} | {right}/{asked} {interval_text(right, asked)} | {_of(right, full_right)} |{loss}")
     lines.append("")
-    for goal in GOAL_SHARES:
-        within = [p for p in found if p.share <= goal]
+    for budget in BUDGET_SHARES:
+        within = [p for p in found if _within(p.share, budget)]
         if within:
             best = max(within, key=lambda p: sum(p.outcomes))
             at = f" at budget {best.budget}" if _budget(best) else ""
             lines.append(
-                f"- At {goal:.0%} of the bytes or less, the most {items}: {label(best.spec)}{at} ({best.share:.1%}), "
+                f"- At {budget:.0%} of the bytes or less, the most {items}: {label(best.spec)}{at} ({best.share:.1%}), "
                 f"{sum(best.outcomes)} against the full cache's {full_right} ({_of(sum(best.outcomes), full_right)})."
             )
-    return "\n".join(lines + ["", dominance_table(found)])
+    return "\n".join(lines + ["", equal_bytes_table(found, items, full_right)])
 
 
-def dominance_table(found: list[Point]) -> str:
-    """Each combination against, for each single technique, its cheapest cell holding at least as
-    many bytes: McNemar's exact test on the same recalls, Holm over the whole table."""
-    singles: dict[str, list[Point]] = {}
-    for p in found:
-        if p.technique == "single":
-            singles.setdefault(p.spec, []).append(p)
-    pairs = []
-    for c in (p for p in found if p.technique == "combination"):
-        for cells in singles.values():
-            richer = [s for s in cells if s.share >= c.share]
-            if richer:
-                pairs.append((c, min(richer, key=lambda s: s.share)))
-    if not pairs:
+def equal_bytes_table(found: list[Point], items: str, full_right: int) -> str:
+    """At each byte budget, the cells run there (more bytes than the budget before, no more than
+    this one), each against the best single technique holding no more bytes than the budget
+    (the most right, the cheapest of a tie): McNemar's exact test on the same items, Holm over the
+    whole table. A budget where no cell ran says so."""
+    rows: list[tuple[float, Point | None, Point | None]] = []  # (budget, cell, its reference)
+    lower = 0.0
+    for budget in BUDGET_SHARES:
+        singles = [p for p in found if p.technique == "single" and _within(p.share, budget)]
+        reference = max(singles, key=lambda p: sum(p.outcomes)) if singles else None
+        cells = [p for p in found if not _within(p.share, lower) and _within(p.share, budget) and p.technique != "full"]
+        rows += [(budget, cell, reference) for cell in cells] or [(budget, None, reference)]
+        lower = budget
+    tests = [mcnemar(c.outcomes, r.outcomes) if c is not None and r is not None and c is not r else None for _, c, r in rows]
+    if not any(tests):
         return ""
-    tests = [mcnemar(c.outcomes, s.outcomes) for c, s in pairs]
-    adjusted = holm([t.p_value for t in tests])
+    adjusted = iter(holm([t.p_value for t in tests if t is not None]))
     lines = [
-        "### Combinations against single techniques at no more bytes (McNemar's exact test)",
+        "### The equal-bytes table",
         "",
-        "each combination against the cheapest cell of each single technique that holds at least as many bytes: items (recalls "
-        "or problems) only the combination got right / only the single technique got right, the two-sided p-value, and * where the Holm-adjusted p over "
-        "this table is < 0.05.",
+        "at each budget (a share of the full bf16 cache's bytes), the cells whose bytes fall between the budget before and it, each "
+        "against the best single technique (eviction alone, or the whole cache in one storage) that holds no more than the budget: "
+        f"{items} only the cell got right / only the single technique got right, McNemar's exact two-sided p, and * where the "
+        "Holm-adjusted p over this table is < 0.05.",
         "",
-        "| combination | budget | KV bytes | single technique | budget | KV bytes | only combination / only single | p |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| budget | cell | cell budget | KV bytes | {items} (of the full cache's) | best single technique | KV bytes | {items} | only cell / only single | p |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (c, s), t, a in zip(pairs, tests, adjusted):
-        lines.append(
-            f"| {label(c.spec)} | {c.budget} | {c.share:.1%} | {label(s.spec)} | {_budget(s)} | {s.share:.1%} | "
-            f"{t.only_a}/{t.only_b} | {t.p_value:.2g}{' *' if a < 0.05 else ''} |"
-        )
+    for (budget, cell, reference), test in zip(rows, tests):
+        against = f" {_named(reference)} | {reference.share:.1%} | {sum(reference.outcomes)} |" if reference else " none run | | |"
+        if cell is None:
+            lines.append(f"| {budget:.0%} | not run | | | |{against} | |")
+            continue
+        right = sum(cell.outcomes)
+        paired = f" {test.only_a}/{test.only_b} | {test.p_value:.2g}{' *' if next(adjusted) < 0.05 else ''} |" if test else " | |"
+        lines.append(f"| {budget:.0%} | {label(cell.spec)} | {_budget(cell)} | {cell.share:.1%} | {right} ({_of(right, full_right)}) |{against}{paired}")
     return "\n".join(lines) + "\n"
 
 
@@ -155,18 +159,30 @@ def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> None:
         line = ax.plot(shares, recalled, style, label=label(spec), markersize=9 if spec == "none" else 5)[0]
         below, above = [r - lo for r, (lo, _) in zip(recalled, intervals)], [hi - r for r, (_, hi) in zip(recalled, intervals)]
         ax.errorbar(shares, recalled, yerr=[below, above], fmt="none", ecolor=line.get_color(), capsize=3, linewidth=1)
-    for goal in GOAL_SHARES:
-        ax.axvline(goal, color="grey", linewidth=0.8, linestyle=":")
+    for budget in BUDGET_SHARES:
+        ax.axvline(budget, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
-    ax.set_xticks([0.05, 0.1, 0.25, 0.5, 1.0], ["5%", "10%", "25%", "50%", "100%"])
+    ticks = (*BUDGET_SHARES, 1.0)
+    ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
     ax.set_xlabel("KV bytes, share of the full bf16 cache's")
     ax.set_ylabel(f"share of {items} right (95% CI)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _within(share: float, budget: float) -> bool:
+    """Whether a cell holds no more than `budget`, to the 0.1% the tables show: a cell shown at
+    25.0% sits at the 25% budget."""
+    return round(share, 3) <= budget
+
+
+def _named(p: Point) -> str:
+    """'streaming + int4 cache at 1592', or 'full cache in int4'."""
+    return f"{label(p.spec)} at {p.budget}" if _budget(p) else label(p.spec)
 
 
 def _of(hits: int, full_hits: int) -> str:

@@ -29,7 +29,7 @@ from evaluation.config import split_storage, with_variant
 from evaluation.humaneval import STOP, Problem, extract_code, load_problems, program, request
 from evaluation.runs import CPU, log
 from evaluation.sandbox import run_programs
-from evaluation.saving import beacon_defaults, check_resumable, write_atomically
+from evaluation.saving import beacon_defaults, check_resumable, rounding, write_atomically
 from evaluation.tasks import chat_prompt
 from kv.contiguous import contiguous_cache
 from models.transformer import Transformer
@@ -153,8 +153,8 @@ def kv_share(model: Transformer, compression: CompressionConfig, kv_dtype: str, 
 
 
 def settings_of(config: HumanEvalConfig) -> dict:
-    """What a run measured with, as JSON: a resumed run must match it (another thread count may round differently)."""
-    return json.loads(json.dumps(asdict(config) | {"threads": torch.get_num_threads(), "beacon_defaults": beacon_defaults()}, default=str))
+    """What a run measured with, as JSON: a resumed run must match it."""
+    return json.loads(json.dumps(asdict(config) | {"beacon_defaults": beacon_defaults()} | rounding(), default=str))
 
 
 def read_humaneval(path: Path) -> HumanEvalResults:

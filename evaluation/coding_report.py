@@ -6,6 +6,7 @@ from pathlib import Path
 
 from evaluation.bytes_report import Point, bytes_tables, plot_bytes
 from evaluation.coding import PUBLISHED_PASS_AT_1, HumanEvalResults, cell_key, write_json
+from evaluation.saving import kernels_text
 from evaluation.statistics import holm, mcnemar, wilson
 
 
@@ -27,7 +28,7 @@ def markdown(results: HumanEvalResults) -> str:
         f"- problems {c['first']}-{c['last']} of HumanEval (problems 100-163 are never used); greedy, chat template, "
         f"up to {c['max_new_tokens']} new tokens, ended at the code block's closing fence; {c['batch']} problems per batch",
         f"- budgets {budgets} generated tokens kept (the prompt is always kept), hysteresis {c['hysteresis']}, window {c['window']}, "
-        f"n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c['aggregation']}; {c['dtype']}, torch threads: {c.get('threads', '?')}",
+        f"n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c['aggregation']}; {c['dtype']}, torch threads: {c.get('threads', '?')}{kernels_text(c)}",
         f"- pass@1 = the program (prompt, the answer's code, the tests) passes in a subprocess with a {c['timeout_s']:.0f} s timeout, "
         "2 GiB of memory, no network; Wilson 95% intervals in brackets",
         f"- wall time {results.seconds / 60:.1f} min, peak RSS {c.get('peak_rss_mib', 0):.0f} MiB",

@@ -18,7 +18,7 @@ from evaluation.config import EvalConfig
 from evaluation.future_attention import FullAttention, future_attention_recall, full_cache_compactions
 from evaluation.metrics import Results, continuation, cost, retrieval, streaming_loss
 from evaluation.runs import CPU, Batch, Run, full_cache_pass, log, recorder, run_all
-from evaluation.saving import beacon_defaults, check_resumable
+from evaluation.saving import beacon_defaults, check_resumable, rounding
 from evaluation.tasks import continuation_rows, reasoning_trace, text_rows
 from weights.forms import load_model
 from weights.tokenizer import Tokenizer
@@ -45,9 +45,8 @@ def settings_of(config: EvalConfig, batch: Batch) -> dict:
         "rows": [r.kind for r in batch.rows],
         "recalls": sum(len(r.recalls) for r in batch.rows),
         "batch_sha256": hashlib.sha256(tokens.encode()).hexdigest(),  # the very tokens: a changed generator does not resume
-        "threads": torch.get_num_threads(),  # another thread count may round differently
         "beacon_defaults": beacon_defaults(),
-    }
+    } | rounding()
     return json.loads(json.dumps(settings, default=str))
 
 

@@ -11,7 +11,7 @@ from errors import UserError
 from evaluation.bytes_report import bytes_tables, plot_bytes, points
 from evaluation.future_attention import RecallShares
 from evaluation.metrics import ContinuationResult, CostResult, LossResult, Results, RetrievalResult
-from evaluation.saving import write_atomically
+from evaluation.saving import kernels_text, write_atomically
 from evaluation.statistics import holm, interval_text, mcnemar, wilson
 from evaluation.tasks import DISTANCE_BUCKETS
 
@@ -172,7 +172,7 @@ def markdown(results: Results) -> str:
         "",
         "Written by `python evaluate.py`; its docstring defines the tasks.",
         "",
-        f"- budgets {c['budgets']}, hysteresis {c['hysteresis']}, window {c['window']}, n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c.get('aggregation', 'max')}; {c['dtype']}, torch threads: {c['threads']}",
+        f"- budgets {c['budgets']}, hysteresis {c['hysteresis']}, window {c['window']}, n_beacon {c['n_beacon']}, n_recent {c['n_recent']}, BeaconKV aggregation {c.get('aggregation', 'max')}; {c['dtype']}, torch threads: {c['threads']}{kernels_text(c)}",
         f"- one batch of {len(kinds)} rows, {s['length']} tokens after each prompt: {kinds.count('trace')} reasoning traces, half with revisit hints "
         f"({c['recalls']} recalls in all), {kinds.count('text')} chunks of Python source, {kinds.count('continuation')} free continuations; "
         f"K = {s['future_queries']} future queries, at one compaction in {s['attention_every']}",
@@ -263,24 +263,31 @@ def read_results(path: Path) -> Results:
     return results
 
 
-# What may differ between runs merged into one table: which cells each ran, and what they cost.
-MERGEABLE = ("out", "policies", "budgets", "cells_done", "peak_rss_mib")
+# What may differ between runs merged into one table: which cells each ran, what they cost, and
+# which tasks they scored (the table shows those every run scored).
+MERGEABLE = ("out", "policies", "budgets", "cells_done", "peak_rss_mib", "tasks")
 
 
-def merge_results(runs: list[Results]) -> Results:
+def merge_results(runs: list[Results], policies: tuple[str, ...] = ()) -> Results:
     """Several runs on the same batch as one: their cells side by side (the first run's where two
-    ran the same cell, which computes the same), every other setting equal."""
+    ran the same cell, which computes the same), every other setting equal. With `policies`, only
+    those policies' cells and the full cache."""
     first = runs[0]
     for other in runs[1:]:
         differ = sorted(k for k in {*first.config, *other.config} if k not in MERGEABLE and first.config.get(k) != other.config.get(k))
         if differ or other.model != first.model:
             raise UserError(f"runs of other models or settings ({', '.join(differ) or 'model'}) do not merge into one table")
-    if len(runs) == 1:
+    ran = list(dict.fromkeys(p for r in runs for p in r.config["policies"]))
+    if missing := [p for p in policies if p not in ran]:
+        raise UserError(f"--policies {','.join(missing)}: no run merged here ran it; these ran: {','.join(ran)}")
+    if len(runs) == 1 and not policies:
         return first
+    kept = set(policies or ran) | {"none"}
     config = dict(first.config)
-    config["policies"] = list(dict.fromkeys(p for r in runs for p in r.config["policies"]))
-    config["budgets"] = sorted({b for r in runs for b in r.config["budgets"]})
-    config["cells_done"] = [cell for r in runs for cell in r.config["cells_done"]]
+    config["policies"] = [p for p in ran if p in kept]
+    config["tasks"] = [t for t in first.config["tasks"] if all(t in r.config["tasks"] for r in runs)]
+    config["cells_done"] = [cell for r in runs for cell in r.config["cells_done"] if cell[0] in kept]
+    config["budgets"] = sorted({b for _, b in config["cells_done"]})
     config["peak_rss_mib"] = max(r.config.get("peak_rss_mib", 0) for r in runs)
     merged = Results(first.model, config, notes=list(dict.fromkeys(n for r in runs for n in r.notes)), samples=first.samples)
     merged.seconds = {"total": sum(r.seconds.get("total", 0.0) for r in runs)}
@@ -288,7 +295,8 @@ def merge_results(runs: list[Results]) -> Results:
         for r in runs:
             for policy, by_budget in getattr(r, task).items():
                 for budget, result in by_budget.items():
-                    getattr(merged, task).setdefault(policy, {}).setdefault(budget, result)
+                    if policy in kept and (budget == "full" or int(budget) in config["budgets"]):
+                        getattr(merged, task).setdefault(policy, {}).setdefault(budget, result)
     return merged
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from compression.config import CompressionConfig
 from evaluation.config import VARIANT_OPTIONS
 from errors import UserError
@@ -22,6 +24,19 @@ def write_atomically_with(path: Path, write: Callable[[Path], None]) -> None:
     partial = path.with_name(path.name + ".partial")
     write(partial)
     os.replace(partial, path)
+
+
+def rounding() -> dict:
+    """What decides how a run's floats round besides its settings: the thread count, and the CPU
+    kernels torch picked (bfloat16 products round otherwise on AVX2 than on AVX-512). Cells of
+    two such runs can differ where no setting does, so they must not resume or merge into one
+    table, nor pair with the other's full cache."""
+    return {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def kernels_text(config: dict) -> str:
+    """The CPU kernels a run rounded with, for its report's settings line (earlier runs did not record them)."""
+    return f", CPU kernels: {config['cpu_capability']}" if "cpu_capability" in config else ""
 
 
 def beacon_defaults() -> dict:

@@ -15,7 +15,7 @@ from compression.config import POLICIES, CompressionConfig
 from errors import UserError
 from evaluation import full_pass
 from evaluation.config import QUICK, QUICK_COMPRESSION, TASKS, EvalConfig
-from evaluation.bytes_report import bytes_tables, dominance_table, points
+from evaluation.bytes_report import bytes_tables, equal_bytes_table, points
 from evaluation.future_attention import FullAttention, RecallShares, full_cache_compactions, future_attention_recall
 from evaluation.metrics import CostResult, Results, RetrievalResult
 from evaluation.runs import Batch, Compaction, full_cache_pass, recorder, run_all, run_from_start
@@ -442,11 +442,13 @@ def test_a_bad_storage_in_a_cell_is_one_clear_error(tiny_folder, tmp_path, capsy
     assert message in capsys.readouterr().err
 
 
-def test_each_combination_is_tested_against_the_cheapest_cell_of_each_single_technique_with_as_many_bytes():
-    """Hand-made cells: the int4 streaming cell (16% of the bytes) pairs with streaming alone at
-    its cheaper budget that holds more (30%, not 50%) and with the int4 full cache (31%); on ten
-    items, hand-counted, it recalls 5 the first misses and misses 3 it recalls, and misses 3 the
-    second recalls while recalling none it misses."""
+def test_the_equal_bytes_table_tests_each_budgets_cells_against_the_best_single_technique_within_it():
+    """Hand-made cells on twelve items, the table hand-checked: each cell sits at the smallest
+    budget that holds it (25.04% shows as 25.0%, so at 25%), and is paired with the single
+    technique that recalls most within that budget; at 35% that is the int4 full cache (9), not
+    streaming at 30% (6). Hand-counted: the int4 streaming cell recalls 10 items streaming at 10
+    misses and misses 1 it recalls, p = 2 * 12 / 2**11; streaming at 20 misses 3 the int4 full
+    cache recalls, p = 2 / 2**3. Holm over the two: 0.023 and 0.25."""
 
     def cell(hits: list[bool]) -> RetrievalResult:
         return RetrievalResult(sum(hits) / len(hits), hits, [100] * len(hits), [], [False] * len(hits))
@@ -454,30 +456,37 @@ def test_each_combination_is_tested_against_the_cheapest_cell_of_each_single_tec
     def cost(share: float) -> CostResult:
         return CostResult(1.0, float("nan"), float("nan"), 1.0, 0.0, 1, share)
 
-    T, F = True, False
+    def right(items: range) -> list[bool]:
+        return [i in items for i in range(12)]
+
     results = Results("tiny", {})
     shares_and_hits = {
-        ("none", "full"): (1.0, [T] * 10),
-        ("streaming", "10"): (0.30, [T, T, T] + [F] * 7),
-        ("streaming", "20"): (0.50, [T] * 6 + [F] * 4),
-        ("none:kv_dtype=int4", "10"): (0.3125, [T] * 8 + [F] * 2),
-        ("none:kv_dtype=int4", "20"): (0.3125, [T] * 8 + [F] * 2),
-        ("streaming:kv_dtype=int4", "20"): (0.16, [F, F, F, T, T, T, T, T, F, F]),
+        ("none", "full"): (1.0, right(range(12))),
+        ("streaming", "10"): (0.08, right(range(2))),
+        ("streaming", "20"): (0.30, right(range(6))),
+        ("none:kv_dtype=int4", "10"): (0.3125, right(range(9))),
+        ("none:kv_dtype=int4", "20"): (0.3125, right(range(9))),
+        ("streaming:kv_dtype=int4", "20"): (0.2504, right(range(1, 12))),
     }
     for (spec, budget), (share, hits) in shares_and_hits.items():
         results.cost.setdefault(spec, {})[budget] = cost(share)
         results.retrieval.setdefault(spec, {})[budget] = cell(hits)
     found = points(results)
     assert [(p.spec, p.budget) for p in found] == [
-        ("streaming:kv_dtype=int4", "20"), ("streaming", "10"), ("none:kv_dtype=int4", "10"), ("streaming", "20"), ("none", "full"),
+        ("streaming", "10"), ("streaming:kv_dtype=int4", "20"), ("streaming", "20"), ("none:kv_dtype=int4", "10"), ("none", "full"),
     ]  # fmt: skip
-    assert [p.technique for p in found] == ["combination", "single", "single", "single", "full"]
-    table = dominance_table(found).splitlines()[6:]
+    assert [p.technique for p in found] == ["single", "combination", "single", "single", "full"]
+    table = equal_bytes_table(found, "recalls", 12).splitlines()[6:]
     assert table == [
-        "| streaming + int4 cache | 20 | 16.0% | streaming | 10 | 30.0% | 5/3 | 0.73 |",
-        "| streaming + int4 cache | 20 | 16.0% | full cache in int4 |  | 31.2% | 0/3 | 0.25 |",
+        "| 5% | not run | | | | none run | | | | |",
+        "| 10% | streaming | 10 | 8.0% | 2 (17%) | streaming at 10 | 8.0% | 2 | | |",
+        "| 15% | not run | | | | streaming at 10 | 8.0% | 2 | | |",
+        "| 25% | streaming + int4 cache | 20 | 25.0% | 11 (92%) | streaming at 10 | 8.0% | 2 | 10/1 | 0.012 * |",
+        "| 35% | streaming | 20 | 30.0% | 6 (50%) | full cache in int4 | 31.2% | 9 | 0/3 | 0.25 |",
+        "| 35% | full cache in int4 |  | 31.2% | 9 (75%) | full cache in int4 | 31.2% | 9 | | |",
+        "| 50% | not run | | | | full cache in int4 | 31.2% | 9 | | |",
     ]
-    assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (16.0%), 5 against the full cache's 10 (50%)." in bytes_tables(found, "recalls")
+    assert "- At 25% of the bytes or less, the most recalls: streaming + int4 cache at budget 20 (25.0%), 11 against the full cache's 12 (92%)." in bytes_tables(found, "recalls")
 
 
 def test_runs_on_the_same_batch_merge_into_one_table_and_runs_of_other_settings_do_not(tiny_folder, tmp_path, capsys):
@@ -497,3 +506,43 @@ def test_runs_on_the_same_batch_merge_into_one_table_and_runs_of_other_settings_
     assert "do not merge into one table" in err and "window" in err
     assert evaluate.main(["--report", *map(str, runs)]) == 2
     assert "--out DIR" in capsys.readouterr().err
+    # Some cells only: the full cache and random's, from the first run alone too.
+    picked = tmp_path / "picked"
+    assert evaluate.main(["--report", *map(str, runs), "--out", str(picked), "--policies", "random"]) == 0
+    chosen = json.loads((picked / "results.json").read_text())
+    assert set(chosen["retrieval"]) == {"none", "random"} and chosen["config"]["policies"] == ["random"]
+    assert chosen["retrieval"]["random"] == b["retrieval"]["random"] and chosen["retrieval"]["none"] == a["retrieval"]["none"]
+    assert evaluate.main(["--report", str(runs[0]), "--out", str(tmp_path / "one"), "--policies", "snapkv"]) == 0
+    assert set(json.loads((tmp_path / "one" / "results.json").read_text())["retrieval"]) == {"none", "snapkv"}
+    capsys.readouterr()
+    assert evaluate.main(["--report", str(runs[0]), "--out", str(tmp_path / "none"), "--policies", "random"]) == 2
+    assert "--policies random: no run merged here ran it; these ran: streaming,snapkv" in capsys.readouterr().err
+    # A run that scored fewer tasks merges: the table shows the tasks both scored.
+    fewer = json.loads(runs[1].read_text())
+    fewer["config"]["tasks"] = [t for t in fewer["config"]["tasks"] if t != "cost"]
+    (tmp_path / "fewer.json").write_text(json.dumps(fewer))
+    assert evaluate.main(["--report", str(runs[0]), str(tmp_path / "fewer.json"), "--out", str(tmp_path / "fewer")]) == 0
+    tasks = json.loads((tmp_path / "fewer" / "results.json").read_text())["config"]["tasks"]
+    assert tasks == [t for t in a["config"]["tasks"] if t != "cost"] and "### Cost" not in (tmp_path / "fewer" / "results.md").read_text()
+
+
+def test_runs_on_other_cpu_kernels_do_not_merge_or_share_a_full_pass(tiny_folder, tmp_path, capsys):
+    """bfloat16 products round otherwise on AVX2 than on AVX-512: the same settings on another CPU
+    give a full cache that recalls other facts, so its cells must not pair with this one's."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert evaluate.main(quick_args(tiny_folder, first)) == 0
+    saved = json.loads((first / "results.json").read_text())
+    assert saved["config"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if saved["config"]["cpu_capability"] != "AVX2" else "AVX512"
+    assert evaluate.main([*quick_args(tiny_folder, second), "--policies", "random", "--full-pass", str(first / "full_pass.pt")]) == 0
+    elsewhere = json.loads((second / "results.json").read_text())
+    elsewhere["config"]["cpu_capability"] = other
+    (second / "results.json").write_text(json.dumps(elsewhere))
+    capsys.readouterr()
+    assert evaluate.main(["--report", str(first / "results.json"), str(second / "results.json"), "--out", str(tmp_path / "merged")]) == 2
+    assert "(cpu_capability) do not merge" in capsys.readouterr().err
+    pass_data = torch.load(first / "full_pass.pt", weights_only=True)
+    pass_data["settings"]["cpu_capability"] = other
+    torch.save(pass_data, first / "full_pass.pt")
+    assert evaluate.main([*quick_args(tiny_folder, tmp_path / "third"), "--policies", "random", "--full-pass", str(first / "full_pass.pt")]) == 2
+    assert "other settings (cpu_capability)" in capsys.readouterr().err
