@@ -104,7 +104,7 @@ def equal_bytes_table(found: list[Point], items: str, full_right: int) -> str:
     """At each byte budget, the cells run there (more bytes than the budget before, no more than
     this one), each against the best single technique holding no more bytes than the budget
     (the most right, the cheapest of a tie): McNemar's exact test on the same items, Holm over the
-    whole table. A budget where no cell ran says so."""
+    whole table. A budget where no cell ran says so, as does one where no single technique did."""
     rows: list[tuple[float, Point | None, Point | None]] = []  # (budget, cell, its reference)
     lower = 0.0
     for budget in BUDGET_SHARES:
@@ -113,9 +113,9 @@ def equal_bytes_table(found: list[Point], items: str, full_right: int) -> str:
         cells = [p for p in found if not _within(p.share, lower) and _within(p.share, budget) and p.technique != "full"]
         rows += [(budget, cell, reference) for cell in cells] or [(budget, None, reference)]
         lower = budget
-    tests = [mcnemar(c.outcomes, r.outcomes) if c is not None and r is not None and c is not r else None for _, c, r in rows]
-    if not any(tests):
+    if all(cell is None for _, cell, _ in rows):
         return ""
+    tests = [mcnemar(c.outcomes, r.outcomes) if c is not None and r is not None and c is not r else None for _, c, r in rows]
     adjusted = iter(holm([t.p_value for t in tests if t is not None]))
     lines = [
         "### The equal-bytes table",
@@ -150,6 +150,7 @@ def plot_bytes(found: list[Point], items: str, title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a merged table has more kinds of cell than the default cycle has colours
     for spec in dict.fromkeys(p.spec for p in found):
         series = [p for p in found if p.spec == spec]
         shares = [p.share for p in series]

@@ -179,7 +179,9 @@ def markdown(results: Results) -> str:
         f"- wall time {results.seconds.get('total', 0) / 60:.1f} min, peak RSS {c.get('peak_rss_mib', 0):.0f} MiB",
     ]
     cells = len(c["policies"]) * len(c["budgets"])
-    if len(c["cells_done"]) < cells:
+    if "merged_runs" in c:
+        lines.append(f"- {c['merged_runs']} runs merged by `python evaluate.py --report`: each cell at the budgets its run ran; the wall time is theirs summed")
+    elif len(c["cells_done"]) < cells:
         lines.append(f"- **partial results**: {len(c['cells_done'])} of {cells} (policy, budget) cells done (the run is still going, or was stopped; run the same command again to resume)")
     lines += [f"- note: {n}" for n in results.notes]
     tasks = [t for t in COLUMNS if t.split("_")[0] in c["tasks"]]
@@ -265,7 +267,7 @@ def read_results(path: Path) -> Results:
 
 # What may differ between runs merged into one table: which cells each ran, what they cost, and
 # which tasks they scored (the table shows those every run scored).
-MERGEABLE = ("out", "policies", "budgets", "cells_done", "peak_rss_mib", "tasks")
+MERGEABLE = ("out", "policies", "budgets", "cells_done", "peak_rss_mib", "tasks", "merged_runs")
 
 
 def merge_results(runs: list[Results], policies: tuple[str, ...] = ()) -> Results:
@@ -289,6 +291,7 @@ def merge_results(runs: list[Results], policies: tuple[str, ...] = ()) -> Result
     config["cells_done"] = [cell for r in runs for cell in r.config["cells_done"] if cell[0] in kept]
     config["budgets"] = sorted({b for _, b in config["cells_done"]})
     config["peak_rss_mib"] = max(r.config.get("peak_rss_mib", 0) for r in runs)
+    config["merged_runs"] = sum(r.config.get("merged_runs", 1) for r in runs)
     merged = Results(first.model, config, notes=list(dict.fromkeys(n for r in runs for n in r.notes)), samples=first.samples)
     merged.seconds = {"total": sum(r.seconds.get("total", 0.0) for r in runs)}
     for task in RESULT_TYPES:
