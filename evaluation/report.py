@@ -180,7 +180,8 @@ def markdown(results: Results) -> str:
     ]
     cells = len(c["policies"]) * len(c["budgets"])
     if "merged_runs" in c:
-        lines.append(f"- {c['merged_runs']} runs merged by `python evaluate.py --report`: each cell at the budgets its run ran; the wall time is theirs summed")
+        n = c["merged_runs"]
+        lines.append(f"- made by `python evaluate.py --report` from {n} run{'s' if n > 1 else ''}: each cell at the budgets its run ran; the wall time is theirs summed")
     elif len(c["cells_done"]) < cells:
         lines.append(f"- **partial results**: {len(c['cells_done'])} of {cells} (policy, budget) cells done (the run is still going, or was stopped; run the same command again to resume)")
     lines += [f"- note: {n}" for n in results.notes]

@@ -502,7 +502,7 @@ def test_runs_on_the_same_batch_merge_into_one_table_and_runs_of_other_settings_
     assert both["config"]["policies"] == a["config"]["policies"] + ["random"]
     assert both["retrieval"]["random"] == b["retrieval"]["random"] and both["retrieval"]["streaming"] == a["retrieval"]["streaming"]
     text = (merged / "results.md").read_text()
-    assert "2 runs merged by `python evaluate.py --report`" in text and "partial results" not in text
+    assert "made by `python evaluate.py --report` from 2 runs:" in text and "partial results" not in text
     assert evaluate.main(["--report", str(runs[0]), str(third / "results.json"), "--out", str(tmp_path / "no")]) == 2
     err = capsys.readouterr().err
     assert "do not merge into one table" in err and "window" in err
