@@ -244,6 +244,8 @@ def report(args: list[str]) -> None:
     if not paths or (len(paths) > 1 or policies is not None) != (out is not None):
         raise UserError("--report takes one results.json, or several (or --policies) and --out DIR for the merged tables")
     if len(paths) == 1 and "cells" in _json_keys(paths[0]):
+        if out is not None:
+            raise UserError(f"{paths[0]} holds HumanEval results: --report writes their tables again beside them; it merges and picks cells of retrieval runs only")
         print(write_humaneval(read_humaneval(paths[0]), paths[0].parent))
         return
     chosen = tuple(p.strip() for p in (policies or "").split(",") if p.strip())

@@ -87,6 +87,9 @@ def test_a_quick_humaneval_run_saves_every_cell_and_resumes(tiny_folder, tmp_pat
     assert list(again["cells"]) == ["none", "beacon/16", "streaming/16", "snapkv/16"]
     assert evaluate.main(args[:-2] + ["--problems", "0-100", "--out", str(tmp_path)]) == 2
     assert "held out" in capsys.readouterr().err
+    assert again["config"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert evaluate.main(["--report", str(saved), "--out", str(tmp_path / "picked"), "--policies", "beacon"]) == 2
+    assert "merges and picks cells of retrieval runs only" in capsys.readouterr().err
 
 
 def test_a_cells_kv_bytes_count_each_rows_slots_and_store_against_its_full_bf16_cache(tiny_folder):
